@@ -1,0 +1,62 @@
+"""Per-feature switches: each optimization can be turned off to fall back to upstream.
+
+``DEEPINFER_DISABLE=feat1,feat2`` (or ``all``) turns features off; ``DEEPINFER_<FEATURE>=0``
+turns one off, ``=1`` forces it on for a variant where it is off by default (for example
+the Ampere attention path on Hopper, so the H200 can run it). Read at call time, so tests
+may change the environment.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    name: str
+    # Variants on which the feature is on unless switched off.
+    default_on: frozenset[str]
+    what: str
+
+
+_ALL = frozenset({"sm80", "sm86", "sm89", "sm90", "sm100", "cpu"})
+_AMPERE = frozenset({"sm80", "sm86", "cpu"})
+
+FEATURES: dict[str, Feature] = {f.name: f for f in (
+    Feature("fp8_sw", _AMPERE, "software e4m3/UE8M0 variants of the fp8 writers and readers"),
+    Feature("kv_gather", _ALL, "dequantize_and_gather_k_cache (584-byte records)"),
+    Feature("topk_swa", _ALL, "combine_topk_swa_indices"),
+    Feature("sparse_mla_decode", _ALL, "unified 512-dim sparse MLA decode"),
+    Feature("ampere_attn", _AMPERE | {"sm89"}, "Ampere DeepSeek-V4.1/V4 attention path"),
+)}
+
+
+def _truthy(v: str) -> bool | None:
+    v = v.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+def enabled(feature: str, variant: str | None = None) -> bool:
+    if feature not in FEATURES:
+        raise KeyError(f"unknown deepinfer feature {feature!r}; known: {', '.join(FEATURES)}")
+    if variant is None:
+        from vllm.deepinfer import arch
+        variant = arch.current().name
+    disabled = {s.strip().lower() for s in os.environ.get("DEEPINFER_DISABLE", "").split(",")}
+    if "all" in disabled or feature in disabled:
+        return False
+    own = os.environ.get(f"DEEPINFER_{feature.upper()}")
+    if own is not None:
+        val = _truthy(own)
+        if val is None:
+            raise ValueError(f"DEEPINFER_{feature.upper()}={own!r}: expected 0 or 1")
+        return val
+    return variant in FEATURES[feature].default_on
+
+
+def summary(variant: str) -> str:
+    return ", ".join(f"{n}={'on' if enabled(n, variant) else 'off'}" for n in FEATURES)

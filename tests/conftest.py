@@ -1,0 +1,61 @@
+"""Test setup: our overlay package on the path, the Triton interpreter where there is no GPU,
+the generated upstream kernels (tools/extract_upstream.py) importable as ``upstream_kernels``.
+
+Markers: ``gpu`` (needs a CUDA device; skipped without one), ``slow`` (run by ``make test``
+too, but kept small). On a CPU-only machine ``TRITON_INTERPRET=1`` is set before any
+kernel module is imported, so the @triton.jit functions run on CPU tensors.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD = Path(os.environ.get("DEEPINFER_BUILD", REPO / "build"))
+sys.path.insert(0, str(REPO / "overlay"))
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(BUILD))
+
+import torch  # noqa: E402
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return "cuda" if HAS_GPU else "cpu"
+
+
+@pytest.fixture(scope="session")
+def upstream():
+    """The generated module namespace of upstream vLLM 0.33.0 kernels.
+
+    ``make test`` generates it first; a bare pytest run without it skips, unless
+    DEEPINFER_REQUIRE_UPSTREAM=1 (set by the Makefile) turns the absence into a failure.
+    """
+    import importlib
+    if not (BUILD / "upstream_kernels" / "__init__.py").is_file():
+        msg = "build/upstream_kernels missing: run `make upstream-kernels`"
+        if os.environ.get("DEEPINFER_REQUIRE_UPSTREAM") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return importlib.import_module("upstream_kernels")
