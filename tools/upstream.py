@@ -90,11 +90,15 @@ class _Anchors(html.parser.HTMLParser):
 def find_sdist_url(index: str) -> tuple[str, str | None, int | None]:
     """Return (url, sha256 from the index or None, size or None) for the pinned sdist."""
     page = index.rstrip("/") + "/vllm/"
-    req = urllib.request.Request(page, headers={
-        "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        body = r.read()
-        ctype = r.headers.get("Content-Type", "") if hasattr(r, "headers") else ""
+    if page.startswith("file:"):  # a local index: a directory holding index.html
+        local = Path(urllib.request.url2pathname(urllib.parse.urlparse(page).path))
+        body, ctype = (local / "index.html").read_bytes(), "text/html"
+    else:
+        req = urllib.request.Request(page, headers={
+            "Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            body = r.read()
+            ctype = r.headers.get("Content-Type", "")
     if "json" in ctype:
         for f in json.loads(body)["files"]:
             if f["filename"] == SDIST_NAME:

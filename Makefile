@@ -1,0 +1,88 @@
+# DeepInfer-SM80 — one Makefile for the whole pipeline. `make verify` and `make test` do
+# everything on a fresh machine (CPU only is fine); `make bench` needs a CUDA GPU.
+SHELL := /bin/bash
+.ONESHELL:
+.SHELLFLAGS := -eu -o pipefail -c
+
+VENV     ?= .venv
+PY       ?= $(VENV)/bin/python
+HOSTPY   ?= python3
+BUILD    ?= build
+UPSTREAM := $(BUILD)/vllm-0.33.0
+KERNELS  := $(BUILD)/upstream_kernels
+# pytest workers: the interpreter-heavy kernel tests split across the CPU cores.
+JOBS     ?= auto
+export DEEPINFER_BUILD := $(abspath $(BUILD))
+
+.PHONY: help venv upstream upstream-kernels combined combined-check overlay apply refresh \
+        gate verify test bench charts clean
+
+help:
+	@echo "make verify   fetch vLLM 0.33.0, apply the series, build the combined patch and overlay,"
+	@echo "              run the compile gate and the bit-exactness tests"
+	@echo "make test     the whole test suite (CPU: Triton interpreter)"
+	@echo "make apply TREE=path/to/vllm-src    apply the series (all or nothing)"
+	@echo "make refresh TREE=path              regenerate the patches from an edited tree"
+	@echo "make combined | combined-check | overlay | gate | bench | charts"
+
+$(VENV)/.ok: requirements-test.txt
+	$(HOSTPY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -r requirements-test.txt
+	touch $@
+
+venv: $(VENV)/.ok
+
+upstream: $(UPSTREAM)/.git/HEAD
+$(UPSTREAM)/.git/HEAD:
+	$(HOSTPY) tools/upstream.py fetch --dest $(UPSTREAM)
+
+upstream-kernels: $(KERNELS)/__init__.py
+$(KERNELS)/__init__.py: $(UPSTREAM)/.git/HEAD tools/extract_upstream.py
+	$(HOSTPY) tools/extract_upstream.py --tree $(UPSTREAM) --out $(KERNELS)
+
+combined: upstream
+	$(HOSTPY) tools/patchset.py combine --pristine $(UPSTREAM)
+
+combined-check: upstream
+	$(HOSTPY) tools/patchset.py combine --check --pristine $(UPSTREAM)
+
+overlay: upstream
+	$(HOSTPY) tools/patchset.py overlay --pristine $(UPSTREAM) --out $(BUILD)/overlay
+
+apply:
+	@test -n "$(TREE)" || { echo "usage: make apply TREE=path/to/vllm-0.33.0"; exit 2; }
+	$(HOSTPY) tools/patchset.py apply --tree "$(TREE)"
+
+refresh:
+	@test -n "$(TREE)" || { echo "usage: make refresh TREE=path/to/edited/tree"; exit 2; }
+	$(HOSTPY) tools/patchset.py refresh --tree "$(TREE)"
+
+gate: venv
+	env -u TRITON_INTERPRET PYTHONPATH=overlay $(PY) -m vllm.deepinfer.compile_gate --json $(BUILD)/gate.json
+
+# The patched tree: a scratch copy of the pristine sdist with the series applied.
+$(BUILD)/patched/.ok: $(UPSTREAM)/.git/HEAD $(wildcard patches/vllm-0.33.0/*) $(shell find overlay -name '*.py')
+	rm -rf $(BUILD)/patched
+	cp -r $(UPSTREAM) $(BUILD)/patched
+	$(HOSTPY) tools/patchset.py apply --tree $(BUILD)/patched
+	touch $@
+
+EXACT_TESTS := tests/test_fp8.py tests/test_kv_gather.py tests/test_topk_swa.py \
+               tests/test_sparse_mla_decode.py tests/test_fp8_writers.py
+
+verify: venv upstream-kernels $(BUILD)/patched/.ok combined-check overlay gate
+	DEEPINFER_REQUIRE_UPSTREAM=1 $(PY) -m pytest -q -n $(JOBS) $(wildcard $(EXACT_TESTS))
+	@echo "verify: OK (series applied, combined patch current, overlay built, gate and exactness passed)"
+
+test: venv upstream-kernels
+	DEEPINFER_REQUIRE_UPSTREAM=1 $(PY) -m pytest -q -n $(JOBS) tests
+
+bench: upstream-kernels
+	PYTHONUNBUFFERED=1 $(HOSTPY) benchmarks/run.py $(BENCH_ARGS)
+
+charts:
+	$(HOSTPY) benchmarks/charts.py benchmarks/results/*.json
+
+clean:
+	rm -rf $(BUILD)/patched $(BUILD)/overlay $(KERNELS) $(BUILD)/gate.json

@@ -1,0 +1,92 @@
+"""Entry points the patched upstream files call. Each returns False/None when the feature is
+off (``vllm.deepinfer.envs``), the GPU is unsupported, or the call is outside what our kernel
+covers, and the upstream code then runs unchanged. Decisions are made once per process
+(``reset()`` re-reads the environment, for tests).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from vllm.deepinfer import arch, envs
+from vllm.deepinfer.kv_record import RECORD_BYTES
+
+logger = logging.getLogger("vllm.deepinfer")
+
+# CuTeDSL's gather kernel is built from sm_89 PTX (cvt to/from e4m3); it cannot run below it.
+CUTEDSL_MIN_CAPABILITY = (8, 9)
+
+
+@functools.cache
+def _variant() -> str | None:
+    try:
+        return arch.current().name
+    except arch.UnsupportedGPU:
+        return None
+
+
+@functools.cache
+def use(feature: str) -> bool:
+    v = _variant()
+    on = v is not None and envs.enabled(feature, v)
+    logger.debug("deepinfer: %s %s on variant %s", feature, "on" if on else "off", v)
+    return on
+
+
+@functools.cache
+def cutedsl_allowed() -> bool:
+    """Upstream takes CuTeDSL whenever it imports; only let it where sm_89 code can run."""
+    cap = arch.device_capability()
+    return cap is None or tuple(cap) >= CUTEDSL_MIN_CAPABILITY
+
+
+def reset() -> None:
+    for f in (_variant, use, cutedsl_allowed):
+        f.cache_clear()
+    arch.reset_for_tests()
+
+
+def kv_gather(out: torch.Tensor, k_cache: torch.Tensor, seq_lens, gather_lens, block_table,
+              block_size: int, offset: int, use_fnuz: bool = False,
+              max_gather_len: int | None = None) -> bool:
+    """Run our dequantize-and-gather; False when upstream must handle the call."""
+    if use_fnuz or k_cache.shape[-1] != RECORD_BYTES or not use("kv_gather"):
+        return False
+    from vllm.deepinfer.kernels.kv_gather import dequantize_and_gather_k_cache
+    dequantize_and_gather_k_cache(out, k_cache, seq_lens, gather_lens, block_table, block_size,
+                                  offset, max_gather_len=max_gather_len)
+    return True
+
+
+def combine_topk_swa_indices(topk_indices, query_start_loc, seq_lens, gather_lens,
+                             window_size: int, compress_ratio: int, topk: int, M: int, N: int,
+                             out=None, *, left_visible=None, right_visible=None,
+                             max_image_tokens: int = 0):
+    """Our combiner's (indices, lens), or None (image visibility is upstream's alone)."""
+    if left_visible is not None or right_visible is not None or max_image_tokens:
+        return None
+    if not use("topk_swa"):
+        return None
+    from vllm.deepinfer.kernels.topk_swa import combine_topk_swa_indices as ours
+    return ours(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
+                compress_ratio, topk, M, N, out=out)
+
+
+def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sink,
+                       nope_head_dim, rope_head_dim, extra_cache=None, extra_indices=None,
+                       extra_indptr=None, out=None, inv_rope_positions=None,
+                       inv_rope_cos_sin_cache=None, *, out_mxfp8=None,
+                       extra_cache_nan_free: bool = False):
+    """Our unified decode's output, or None. Applies the inverse RoPE exactly once when
+    ``inv_rope_positions`` is given (the upstream CUDA fallback drops it)."""
+    if out_mxfp8 is not None or extra_cache_nan_free or torch.version.hip is not None:
+        return None
+    if main_cache.shape[-1] != RECORD_BYTES or not use("sparse_mla_decode"):
+        return None
+    from vllm.deepinfer.kernels.sparse_mla_decode import sparse_attn_decode as ours
+    return ours(q, main_cache, main_indices, main_indptr, scale, attn_sink, nope_head_dim,
+                rope_head_dim, extra_cache=extra_cache, extra_indices=extra_indices,
+                extra_indptr=extra_indptr, out=out, inv_rope_positions=inv_rope_positions,
+                inv_rope_cos_sin_cache=inv_rope_cos_sin_cache)
