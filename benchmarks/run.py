@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, Harness  # noqa: E402
 
-SUITES = ["topk_swa", "kv_gather", "fp8", "sparse_mla_decode"]
+SUITES = ["topk_swa", "kv_gather", "fp8", "fp8_writers", "sparse_mla_decode"]
 
 
 def main(argv=None) -> int:

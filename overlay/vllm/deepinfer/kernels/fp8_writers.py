@@ -1,0 +1,95 @@
+"""fp8-free writers for the DeepSeek-V4.1/V4 serving path: shared pieces.
+
+Triton refuses ``fp8e4nv`` below sm_89, so the upstream vLLM 0.33.0 kernels that write
+e4m3 bytes (compressed-KV insert, indexer K store, indexer Q quant, inverse RoPE + fp8
+quant) do not compile on SM80/SM86. Our variants keep each upstream kernel's fusion and
+its exact fp32 op sequence; the only change is the cast, ``fp8.cvt_f32_to_e4m3(x, HW_FP8)``:
+integer round-to-nearest-even on sm80/sm86/cpu, the hardware cvt on sm89+.
+
+    fp8_writers_v41.rope_quant_insert          <- v41 _rope_quant_insert_kernel (584 B record)
+    fp8_writers_v41.indexer_k_norm_rope_store  <- v41 _indexer_k_norm_rope_quant_store_kernel
+    fp8_writers_v4.fused_inv_rope_fp8_quant    <- v4 FusedInvRopeFP8QuantKernel.kernel
+    fp8_writers_v4.fused_indexer_q_rope_quant  <- v4 FusedIndexerQRopeQuantTritonKernel.kernel
+
+This module holds what they share: variant resolution, input checks, the GPT-J RoPE of
+the trailing pairs, and compile-gate registration. See docs/fp8-writers.md.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.deepinfer import arch
+from vllm.deepinfer.compile_gate import GateSpec, register
+
+# Largest finite e4m3fn magnitude; every writer clamps (or scales) into +-FP8_MAX.
+# (tl.constexpr: jit functions may read it as a global.)
+FP8_MAX = tl.constexpr(448.0)
+# Variants the compile gate builds each writer for: sm80 (software cast, also built for
+# sm_86) and sm90 (hardware cast). sm89/sm100 run the sm90 code path (HW_FP8=True).
+GATE_VARIANTS = ("sm80", "sm90")
+FEATURE = "fp8_sw"
+
+
+def resolve(variant: str | None) -> tuple[str, bool]:
+    """(variant name, HW_FP8) for a public function's ``variant`` argument."""
+    name = arch.current().name if variant is None else variant
+    if name not in arch.VARIANTS:
+        raise ValueError(f"variant {name!r} is not one of {', '.join(arch.VARIANTS)}")
+    return name, arch.VARIANTS[name].hw_fp8
+
+
+def check(ok: bool, tensor: str, what: str) -> None:
+    """Raise ValueError naming the offending tensor (or argument)."""
+    if not ok:
+        raise ValueError(f"{tensor}: {what}")
+
+
+def check_tensor(t, name: str, *, dtypes=None, ndim: int | None = None,
+                 device: torch.device | None = None) -> None:
+    check(isinstance(t, torch.Tensor), name, f"expected a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+        check(t.dtype in dtypes, name, f"dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
+    if ndim is not None:
+        check(t.ndim == ndim, name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
+    if device is not None:
+        check(t.device == device, name, f"on {t.device}, expected {device}")
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def gptj_rotate(even, odd, c, s):
+    """GPT-J (interleaved) RoPE of one (even, odd) pair, written as upstream writes it."""
+    return even * c - odd * s, odd * c + even * s
+
+
+@triton.jit
+def rope_tail_pairs(even, odd, cs_row, NUM_PAIRS: tl.constexpr, NOPE_PAIRS: tl.constexpr,
+                    HALF_ROPE: tl.constexpr):
+    """GPT-J RoPE of (even, odd) pairs whose index is >= NOPE_PAIRS, in fp32.
+
+    ``cs_row`` points at one cos_sin_cache row (HALF_ROPE cos, then HALF_ROPE sin). The
+    leading NoPE pairs load (cos, sin) = (1, 0), so the same two expressions run on every
+    lane, which is how the upstream writers compute it (same ops, same FMA contraction).
+    """
+    pair = tl.arange(0, NUM_PAIRS) - NOPE_PAIRS
+    is_rope = pair >= 0
+    idx = tl.maximum(pair, 0)
+    c = tl.load(cs_row + idx, is_rope, other=1.0).to(tl.float32)
+    s = tl.load(cs_row + HALF_ROPE + idx, is_rope, other=0.0).to(tl.float32)
+    return gptj_rotate(even, odd, c, s)
+
+
+def register_writer(name: str, kernel, signature: dict[str, str], constexprs: dict,
+                    num_warps: dict[str, int], num_stages: int = 2) -> None:
+    """Register one launch configuration per gate variant (HW_FP8 follows the variant)."""
+    for v in GATE_VARIANTS:
+        register(GateSpec(
+            name=f"fp8_writers.{name}[{v}]", kernel=kernel,
+            signature={**signature, "HW_FP8": "constexpr"},
+            constexprs={**constexprs, "HW_FP8": arch.VARIANTS[v].hw_fp8},
+            variants=(v,), num_warps=num_warps[v], num_stages=num_stages, feature=FEATURE))
