@@ -4,8 +4,11 @@ Triton refuses ``fp8e4nv`` below sm_89, so the sm80/sm86 kernels decode the e4m3
 with integer arithmetic. Every helper here is exact (bit-identical to torch's
 ``float8_e4m3fn`` conversions); tests/test_fp8.py checks all 256 codes.
 
-Kernels take a ``HW_FP8: tl.constexpr`` and call ``cvt_e4m3_to_f32(x_u8, HW_FP8)`` (writers: ``cvt_f32_to_e4m3``): on sm89+
-the hardware conversion, below it the integer one.
+Kernels take a ``HW_FP8: tl.constexpr`` and call ``cvt_e4m3_to_f32(x_u8, HW_FP8)``
+(writers: ``cvt_f32_to_e4m3``): on sm89+ the hardware conversion, below it the integer one.
+Three other exact decoders (``e4m3_to_f32_lut``, ``e4m3_to_f32_e4b15``,
+``e4m3_to_f32_f16bits``) are timed against it by benchmarks/suites/fp8.py; docs/fp8.md
+records which one the software path should use.
 
 Scales: ``ue8m0_to_f32`` decodes a UE8M0 byte by bit shift; ``ue8m0_exponent`` computes the
 encoder's exponent ``ceil(log2(max(amax, 1e-4) / 448))`` exactly from the fp32 bits of amax.
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.deepinfer.arch import VARIANTS, interpreting
+from vllm.deepinfer import arch
 from vllm.deepinfer.compile_gate import GateSpec, register
 
 
@@ -36,7 +39,8 @@ def e4m3_to_f32(x):
     xi = x.to(tl.int32)
     em = xi & 0x7F
     normal = (em + (120 << 3)) << 20
-    # NaN keeps its mantissa bits, as torch's and the hardware conversion do: 0x7FF00000.
+    # NaN as torch's decode gives it: 0x7FF00000 (the hardware cvt's NaN payload may
+    # differ; the fp8 suite reports it as nan_bits_equal).
     normal = tl.where(em == 0x7F, 0x7FF00000, normal)
     sub = ((em & 0x7).to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m * 2^-9
     bits = tl.where(em >= 8, normal, sub) | ((xi & 0x80) << 24)
@@ -211,6 +215,7 @@ def _fp8_roundtrip_kernel(x_ptr, y_ptr, n, HW_FP8: tl.constexpr, BLOCK: tl.const
 _BLOCK: dict[str, int] = {"sm80": 1024, "sm86": 1024, "sm89": 1024, "sm90": 1024,
                           "sm100": 1024, "cpu": 65536}
 _NUM_WARPS = 4  # 1024 elements / (4 * 32 threads) = 8 per thread
+_NUM_STAGES = 1  # no loop to pipeline
 
 _SW_VARIANTS = ("sm80",)        # compiled for sm_80 and sm_86; software fp8 only
 _HW_VARIANTS = ("sm90",)        # hardware e4m3 (sm89 and sm100 launch the same constexprs)
@@ -218,17 +223,16 @@ _HW_VARIANTS = ("sm90",)        # hardware e4m3 (sm89 and sm100 launch the same 
 
 def _gate(name: str, kernel, signature: dict, constexprs: dict, variants: tuple) -> None:
     register(GateSpec(name=name, kernel=kernel, signature=signature, constexprs=constexprs,
-                      variants=variants, num_warps=_NUM_WARPS, num_stages=1, feature="fp8_sw"))
+                      variants=variants, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+                      feature="fp8_sw"))
 
 
 for _vs, _hw in ((_SW_VARIANTS, False), (_HW_VARIANTS, True)):
     _tag, _blk = _vs[0], _BLOCK[_vs[0]]
-    _gate(f"fp8._fp8_roundtrip_kernel[{_tag}]", _fp8_roundtrip_kernel,
-          {"x_ptr": "*u8", "y_ptr": "*u8", "n": "i32", "HW_FP8": "constexpr", "BLOCK": "constexpr"},
-          {"HW_FP8": _hw, "BLOCK": _blk}, _vs)
-    _gate(f"fp8._e4m3_decode_kernel[{_tag}]", _e4m3_decode_kernel,
-          {"x_ptr": "*u8", "y_ptr": "*fp32", "n": "i32", "HW_FP8": "constexpr", "BLOCK": "constexpr"},
-          {"HW_FP8": _hw, "BLOCK": _blk}, _vs)
+    for _k, _out in ((_fp8_roundtrip_kernel, "*u8"), (_e4m3_decode_kernel, "*fp32")):
+        _gate(f"fp8.{_k.__name__}[{_tag}]", _k,
+              {"x_ptr": "*u8", "y_ptr": _out, "n": "i32", "HW_FP8": "constexpr",
+               "BLOCK": "constexpr"}, {"HW_FP8": _hw, "BLOCK": _blk}, _vs)
     for _bf16 in (False, True):
         _gate(f"fp8._e4m3_encode_kernel[{_tag},{'bf16' if _bf16 else 'fp32'}]",
               _e4m3_encode_kernel,
@@ -250,29 +254,33 @@ def _check(name: str, t, dtypes: tuple, variant: str | None) -> tuple[str, bool,
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.device.type == "cpu" and not interpreting():
+    if t.device.type == "cpu" and not arch.interpreting():
         raise ValueError(f"{name} is a CPU tensor: the Triton kernels need a CUDA tensor, "
                          f"or TRITON_INTERPRET=1 to run on CPU")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name} is on {t.device}; expected a CUDA (or interpreted CPU) tensor")
-    if variant is None:
-        from vllm.deepinfer import arch
-        variant = arch.current().name
-    if variant not in VARIANTS:
-        raise ValueError(f"variant {variant!r} is not one of {', '.join(VARIANTS)}")
-    hw = VARIANTS[variant].hw_fp8
-    if hw and t.device.type == "cuda" and torch.cuda.get_device_capability(t.device) < (8, 9):
-        raise ValueError(f"variant {variant} uses hardware fp8, which {name}'s device "
-                         f"(sm_{''.join(map(str, torch.cuda.get_device_capability(t.device)))}) lacks")
-    return variant, hw, _BLOCK["cpu" if t.device.type == "cpu" else variant]
+    variant = arch.current().name if variant is None else variant
+    if variant not in arch.VARIANTS:
+        raise ValueError(f"variant {variant!r} is not one of {', '.join(arch.VARIANTS)}")
+    hw = arch.VARIANTS[variant].hw_fp8
+    if hw and t.device.type == "cuda":
+        cap = torch.cuda.get_device_capability(t.device)
+        if cap < (8, 9):
+            raise ValueError(f"variant {variant} uses hardware fp8, which {name}'s device "
+                             f"(sm_{cap[0]}{cap[1]}) lacks")
+    # Tiles follow the device: interpreted CPU tensors take the "cpu" row whatever the
+    # variant; on a GPU the "cpu" variant (the software path) takes sm80's.
+    tiles = "cpu" if t.device.type == "cpu" else ("sm80" if variant == "cpu" else variant)
+    return variant, hw, _BLOCK[tiles]
 
 
 def _launch(kernel, x: torch.Tensor, out_dtype: torch.dtype, block: int, **constexprs):
-    xf = x.reshape(-1)  # a copy only when x is not contiguous
+    xf = x.contiguous().view(-1)  # a copy only when x is not contiguous
     y = torch.empty(xf.shape, dtype=out_dtype, device=x.device)
     if xf.numel():
         kernel[(triton.cdiv(xf.numel(), block),)](xf, y, xf.numel(), BLOCK=block,
-                                                 num_warps=_NUM_WARPS, **constexprs)
+                                                 num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+                                                 **constexprs)
     return y.view(x.shape)
 
 
@@ -287,8 +295,8 @@ def e4m3_encode(x: torch.Tensor, variant: str | None = None) -> torch.Tensor:
     """fp32 or bf16 -> e4m3fn bytes (uint8), round to nearest even.
 
     Byte-identical to ``x.to(torch.float8_e4m3fn).view(torch.uint8)`` for |x| <= 448.
-    Beyond: the software path saturates to ±448 (0x7E/0xFE; ±inf too) where torch returns
-    NaN for |x| > 464 — the same as the hardware ``cvt.rn.satfinite`` the sm90 path uses.
+    Beyond, the software path saturates to ±448 (0x7E/0xFE; ±inf too), as the hardware
+    ``cvt.rn.satfinite`` of the sm90 path and torch 2.13 do (older torch: NaN from 464 up).
     NaN -> 0x7F (0xFF with the sign bit set).
     """
     variant, hw, block = _check("x", x, (torch.float32, torch.bfloat16), variant)
@@ -298,7 +306,8 @@ def e4m3_encode(x: torch.Tensor, variant: str | None = None) -> torch.Tensor:
 
 
 def e4m3_table(device) -> torch.Tensor:
-    """The 256 e4m3fn values as fp32 (torch's decode, NaN bits included): ``e4m3_to_f32_lut``'s table."""
+    """The 256 e4m3fn values as fp32 (torch's decode, NaN bits included), the table of
+    ``e4m3_to_f32_lut``."""
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().to(device)
 
 
@@ -309,8 +318,8 @@ def ue8m0_decode(b: torch.Tensor, variant: str | None = None) -> torch.Tensor:
 
 
 def ue8m0_encode(amax: torch.Tensor, variant: str | None = None) -> torch.Tensor:
-    """Block absmax (fp32) -> UE8M0 byte ``clamp(ceil(log2(max(amax, 1e-4) / 448)) + 127, 0, 255)``,
-    the exponent computed exactly (``ue8m0_exponent``): bytes 105 (amax <= 1e-4) to 247
-    (largest finite fp32), 255 for +inf."""
+    """Block absmax (fp32) -> UE8M0 byte ``clamp(ceil(log2(max(amax, 1e-4) / 448)) + 127,
+    0, 255)``, the exponent computed exactly (``ue8m0_exponent``): bytes 105 (amax <= 1e-4)
+    to 247 (largest finite fp32), 255 for +inf."""
     variant, _, block = _check("amax", amax, (torch.float32,), variant)
     return _launch(_ue8m0_encode_kernel, amax, torch.uint8, block)
