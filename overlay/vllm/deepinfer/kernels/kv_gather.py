@@ -171,39 +171,41 @@ def _req_bucket(num_reqs: int) -> int:
 
 
 def _validate(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
+    # Messages are built only on failure (lambdas): this runs on every call, and formatting
+    # them eagerly cost ~10 us of host time per launch.
     def need(cond, name, what):
         if not cond:
-            raise ValueError(f"{name}: {what}")
+            raise ValueError(f"{name}: {what() if callable(what) else what}")
 
     need(out.dim() == 3 and out.dtype == torch.bfloat16 and out.shape[2] == HEAD_DIM
          and out.stride(2) == 1, "out",
-         f"expected bf16 [num_reqs, tokens, {HEAD_DIM}] with a contiguous last dim, got "
+         lambda: f"expected bf16 [num_reqs, tokens, {HEAD_DIM}] with a contiguous last dim, got "
          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     need(k_cache.dim() == 3 and k_cache.shape[-1] == RECORD_BYTES, "k_cache",
-         f"expected [num_blocks, block_size, {RECORD_BYTES}] (584-byte records only), got "
+         lambda: f"expected [num_blocks, block_size, {RECORD_BYTES}] (584-byte records only), got "
          f"{tuple(k_cache.shape)}")
-    need(k_cache.dtype == torch.uint8, "k_cache", f"expected uint8, got {k_cache.dtype}")
+    need(k_cache.dtype == torch.uint8, "k_cache", lambda: f"expected uint8, got {k_cache.dtype}")
     need(k_cache.stride(2) == 1 and (k_cache.shape[1] <= 1 or k_cache.stride(1) == RECORD_BYTES),
-         "k_cache", f"a page must be contiguous, got strides {k_cache.stride()}")
+         "k_cache", lambda: f"a page must be contiguous, got strides {k_cache.stride()}")
     need(block_size >= 1 and (k_cache.shape[0] <= 1
                               or k_cache.stride(0) >= block_size * RECORD_BYTES),
-         "k_cache", f"stride(0)={k_cache.stride(0)} is smaller than a page of block_size="
+         "k_cache", lambda: f"stride(0)={k_cache.stride(0)} is smaller than a page of block_size="
          f"{block_size} records")
     need(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "seq_lens",
-         f"expected int32 [num_reqs], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+         lambda: f"expected int32 [num_reqs], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     num_reqs = seq_lens.shape[0]
     if gather_lens is not None:
         need(gather_lens.dtype == torch.int32 and tuple(gather_lens.shape) == (num_reqs,),
-             "gather_lens", f"expected int32 [{num_reqs}], got {gather_lens.dtype} "
+             "gather_lens", lambda: f"expected int32 [{num_reqs}], got {gather_lens.dtype} "
              f"{tuple(gather_lens.shape)}")
         need(gather_lens.is_contiguous(), "gather_lens", "must be contiguous")
     need(seq_lens.is_contiguous(), "seq_lens", "must be contiguous")
     need(block_table.dim() == 2 and block_table.dtype == torch.int32
          and block_table.shape[0] >= num_reqs and block_table.stride(1) == 1, "block_table",
-         f"expected int32 [>= {num_reqs}, max_blocks] with contiguous rows, got "
+         lambda: f"expected int32 [>= {num_reqs}, max_blocks] with contiguous rows, got "
          f"{block_table.dtype} {tuple(block_table.shape)} strides {block_table.stride()}")
-    need(out.shape[0] >= num_reqs, "out", f"has {out.shape[0]} rows for {num_reqs} requests")
-    need(0 <= offset <= out.shape[1], "offset", f"{offset} outside [0, {out.shape[1]}]")
+    need(out.shape[0] >= num_reqs, "out", lambda: f"has {out.shape[0]} rows for {num_reqs} requests")
+    need(0 <= offset <= out.shape[1], "offset", lambda: f"{offset} outside [0, {out.shape[1]}]")
     for name, t in (("k_cache", k_cache), ("seq_lens", seq_lens), ("block_table", block_table),
                     ("gather_lens", gather_lens)):
         if t is not None:

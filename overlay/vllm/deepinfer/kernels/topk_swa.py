@@ -144,32 +144,34 @@ def _tile(width: int, variant: str | None) -> CombineTile:
 
 def _validate(topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
               topk, M, N):
+    # Messages are built only on failure (lambdas): this runs on every call, and formatting
+    # them eagerly cost ~10 us of host time per launch.
     def need(cond, name, what):
         if not cond:
-            raise ValueError(f"{name}: {what}")
+            raise ValueError(f"{name}: {what() if callable(what) else what}")
 
     need(topk_indices.dim() == 2 and topk_indices.dtype == torch.int32
          and (topk_indices.shape[1] <= 1 or topk_indices.stride(1) == 1), "topk_indices",
-         f"expected int32 [num_tokens, width] with contiguous rows, got {topk_indices.dtype} "
+         lambda: f"expected int32 [num_tokens, width] with contiguous rows, got {topk_indices.dtype} "
          f"{tuple(topk_indices.shape)} strides {topk_indices.stride()}")
     need(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
-         "seq_lens", f"expected contiguous int32 [num_reqs], got {seq_lens.dtype} "
+         "seq_lens", lambda: f"expected contiguous int32 [num_reqs], got {seq_lens.dtype} "
          f"{tuple(seq_lens.shape)}")
     num_reqs = seq_lens.shape[0]
     need(query_start_loc.dtype == torch.int32 and tuple(query_start_loc.shape) == (num_reqs + 1,)
          and query_start_loc.is_contiguous(), "query_start_loc",
-         f"expected contiguous int32 [{num_reqs + 1}], got {query_start_loc.dtype} "
+         lambda: f"expected contiguous int32 [{num_reqs + 1}], got {query_start_loc.dtype} "
          f"{tuple(query_start_loc.shape)}")
     need(gather_lens.dtype == torch.int32 and tuple(gather_lens.shape) == (num_reqs,)
          and gather_lens.is_contiguous(), "gather_lens",
-         f"expected contiguous int32 [{num_reqs}], got {gather_lens.dtype} "
+         lambda: f"expected contiguous int32 [{num_reqs}], got {gather_lens.dtype} "
          f"{tuple(gather_lens.shape)}")
-    need(window_size >= 1, "window_size", f"must be >= 1, got {window_size}")
-    need(compress_ratio >= 0, "compress_ratio", f"must be >= 0, got {compress_ratio}")
-    need(topk >= 0, "topk", f"must be >= 0, got {topk}")
+    need(window_size >= 1, "window_size", lambda: f"must be >= 1, got {window_size}")
+    need(compress_ratio >= 0, "compress_ratio", lambda: f"must be >= 0, got {compress_ratio}")
+    need(topk >= 0, "topk", lambda: f"must be >= 0, got {topk}")
     need(compress_ratio == 0 or topk <= topk_indices.shape[1], "topk",
-         f"{topk} is wider than topk_indices ({topk_indices.shape[1]} columns)")
-    need(0 <= M <= _INT32_MAX and 0 <= N <= _INT32_MAX, "M/N", f"must fit int32, got M={M} N={N}")
+         lambda: f"{topk} is wider than topk_indices ({topk_indices.shape[1]} columns)")
+    need(0 <= M <= _INT32_MAX and 0 <= N <= _INT32_MAX, "M/N", lambda: f"must fit int32, got M={M} N={N}")
     for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                     ("gather_lens", gather_lens)):
         need(t.device == topk_indices.device, name,

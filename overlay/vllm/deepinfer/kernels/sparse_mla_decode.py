@@ -1,0 +1,547 @@
+"""Unified 512-dim sparse MLA decode over 584-byte KV records (DeepSeek-V4.1/V4).
+
+Replaces upstream vLLM 0.33.0's ``_sparse_attn_decode_ragged_kernel`` (the CUDA fallback of
+``_rocm_sparse_attn_decode_ragged_triton``) and its split-K pair
+``_sparse_attn_decode_partial_kernel`` + ``_sparse_attn_decode_reduce_kernel``; the
+arguments mean what they mean there. Per decode token and head: attend over the token's
+ragged key list (``main`` rows, e.g. the SWA cache, then ``extra`` rows, e.g. compressed
+top-k), keys and values being the same dequantized 512-dim rows, with the per-head attention
+sink in the softmax denominator.
+
+What differs from upstream:
+
+* One operand per key row. Each key tile is built as one [BLOCK_N, 512] matrix: columns
+  < 448 are the e4m3 NoPE bytes times their UE8M0 block scale (scale by bit shift,
+  ``fp8.ue8m0_to_f32``), columns >= 448 the bf16 RoPE tail; one ``tl.dot`` for QK^T and
+  one for PV per tile (upstream: a 448-padded-to-512 dot plus a separate 64-wide dot).
+* Many heads per program: BLOCK_H heads of one token share every dequantized key tile
+  (on sm90 one program owns all 64 heads of a token), online softmax in the exp2 domain.
+* One virtual key list per token (main then extra), so a tile may straddle the boundary,
+  and split-K slices it into BLOCK_N-aligned chunks. Split-K only when the grid is too
+  small to fill the GPU (``choose_num_splits``); with one split the kernel writes the bf16
+  output itself (no workspace, no reduce launch).
+* Inverse RoPE: with ``inv_rope_positions`` the GPT-J inverse rotation of dims 448..511 is
+  applied exactly once, in the reduce (split path) or the kernel epilogue (no-split path),
+  on the fp32 result before the bf16 cast. Upstream's CUDA fallback silently ignores
+  ``inv_rope_positions`` while ``rocm_sparse_attn_decode`` reports the rows as rotated.
+
+Semantics kept from upstream: slots < 0 or >= blocks*block_size are skipped; NaN key
+entries are zeroed (NaN scrub); rows without a valid key give zeros, never NaN.
+
+Variants (``TILES``): sm80/sm86/cpu decode e4m3 in software and fit 48 KiB of shared
+memory per CTA; sm89/sm90/sm100 use the hardware e4m3 conversion. See
+docs/sparse-mla-decode.md for the tile choices and their compile-gate figures.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.deepinfer import arch
+from vllm.deepinfer.compile_gate import GateSpec, register
+from vllm.deepinfer.fp8 import cvt_e4m3_to_f32, ue8m0_to_f32
+from vllm.deepinfer.kv_record import (DATA_BYTES, HEAD_DIM, NOPE_DIM, NUM_SCALES, QUANT_BLOCK,
+                                      RECORD_BYTES, ROPE_DIM, SCALE_BYTES)
+
+FEATURE = "sparse_mla_decode"
+# Record geometry as kernel constants. A key row is built as [BLOCK_N, 8, 64]: the 7 NoPE
+# chunks of one UE8M0 scale each, then the RoPE tail, which is exactly one chunk wide.
+assert ROPE_DIM == QUANT_BLOCK and NUM_SCALES * QUANT_BLOCK == NOPE_DIM
+_D = tl.constexpr(HEAD_DIM)            # 512 columns per key row
+_NOPE = tl.constexpr(NOPE_DIM)         # 448 e4m3 columns, then bf16 RoPE
+_CHUNK = tl.constexpr(QUANT_BLOCK)     # 64 columns per UE8M0 scale
+_DATA = tl.constexpr(DATA_BYTES)       # 576 data bytes per record; a page's scales follow
+_SCALE = tl.constexpr(SCALE_BYTES)     # 8 scale bytes per record (7 + pad)
+# Softmax runs in the exp2 domain: scores and the sink are multiplied by log2(e) once.
+LOG2E = tl.constexpr(1.4426950408889634)
+# Finite "minus infinity" for masked scores and the running max (upstream's value): a row
+# that has seen no valid key keeps m = NEG_LARGE and exp2(m - m) = 1 stays finite, where
+# -inf would give inf - inf = NaN.
+NEG_LARGE = tl.constexpr(-3.4028234663852886e38)
+# Split partials the reduce kernel loads per round (independent loads in flight).
+REDUCE_UNROLL = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    block_h: int      # heads of one token per program (the Q tile is [block_h, 512])
+    block_n: int      # keys per tile
+    num_warps: int
+    num_stages: int
+    # Resident CTAs per SM the split heuristic aims to fill (occupancy of this tile).
+    ctas_per_sm: int
+    # Reduce kernel: heads per program (small: enough programs at batch 1) and warps.
+    reduce_block_h: int = 8
+    reduce_warps: int = 4
+
+
+# Tile table keyed by variant name (docs/sparse-mla-decode.md has the gate figures).
+TILES: dict[str, Tile] = {
+    # Ampere, 48 KiB of shared memory per CTA (two CTAs per SM on SM86). mma.sync reads
+    # operands through shared memory: Q [16, 512] bf16 (16 KiB) stays there for the whole
+    # loop and each key tile is stored twice (one swizzle per dot, 2 x BLOCK_N KiB), so
+    # BLOCK_N 16 is the largest that fits: exactly 48 KiB. num_stages 1: a second stage of
+    # cp.async buffers would not fit (59 KiB at BLOCK_N 16).
+    "sm80": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
+    "sm86": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
+    # Interpreter (CPU tensors): the sm80 code path and tile.
+    "cpu": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1),
+    # Ada: hardware e4m3, mma.sync like Ampere (no wgmma), 100 KiB per SM: the Ampere tile
+    # keeps two CTAs per SM. Not measured by this project.
+    "sm89": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
+    # Hopper: one program owns 64 heads of a token (wgmma needs 64 rows); the key tile is
+    # stored once (both wgmmas read it, one through a transposed view). Tuned on H200.
+    "sm90": Tile(block_h=64, block_n=64, num_warps=8, num_stages=1, ctas_per_sm=1),
+    # Blackwell 10.x/12.x, not measured: 99 KiB per block (12.x) rules out the Hopper tile,
+    # whose split-K epilogue alone stages [64, 512] fp32 (128 KiB) through shared memory;
+    # 32-head tiles spill heavily. 16 heads x 32 keys: 80 KiB, one stage.
+    "sm100": Tile(block_h=16, block_n=32, num_warps=4, num_stages=1, ctas_per_sm=1),
+}
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _inv_rope_gptj(out, pos_ptr, cs_ptr, cs_stride, tok, BLOCK_H: tl.constexpr,
+                   D: tl.constexpr, NOPE: tl.constexpr):
+    """Inverse GPT-J RoPE of dims NOPE.. of an fp32 [BLOCK_H, D] tile (upstream's reduce
+    formula): pairs (a, b) = (even, odd) become (a*cos + b*sin, b*cos - a*sin) with
+    cos = cs[pos, k], sin = cs[pos, HALF + k] (HALF = (D - NOPE) / 2); NoPE pairs take
+    cos 1, sin 0."""
+    HALF: tl.constexpr = (D - NOPE) // 2
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    pair = tl.arange(0, D // 2) - NOPE // 2
+    is_rope = pair >= 0
+    k = tl.maximum(pair, 0)
+    row = cs_ptr + pos * cs_stride
+    cos = tl.load(row + k, mask=is_rope, other=1.0).to(tl.float32)
+    sin = tl.load(row + HALF + k, mask=is_rope, other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(out, (BLOCK_H, D // 2, 2)))
+    return tl.reshape(tl.join(even * cos[None, :] + odd * sin[None, :],
+                              odd * cos[None, :] - even * sin[None, :]), (BLOCK_H, D))
+
+
+@triton.jit
+def _sparse_mla_decode_kernel(
+    q_ptr, main_cache_ptr, main_idx_ptr, main_indptr_ptr,
+    extra_cache_ptr, extra_idx_ptr, extra_indptr_ptr,
+    sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, cs_ptr,
+    q_stride0, q_stride1, out_stride0, out_stride1, main_stride0, extra_stride0,
+    main_rows, extra_rows, cs_stride,
+    qk_scale, num_heads, num_splits,
+    HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+    INV_ROPE: tl.constexpr, HW_FP8: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
+    MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (head tiles, splits, tokens). ``qk_scale`` = softmax scale * log2(e).
+
+    SPLIT: write unnormalized (acc, m, l) of this split to the fp32 workspaces (m in the
+    log2 domain, before the sink); else finish (sink, normalize, inverse RoPE) and store
+    bf16. DOT_FP32 is an interpreter-only switch: the Triton interpreter computes bf16
+    ``tl.dot`` on raw bit patterns, so there the dots take fp32 operands.
+    """
+    D: tl.constexpr = _D
+    NOPE: tl.constexpr = _NOPE
+    pid_h = tl.program_id(0)
+    split = tl.program_id(1)
+    tok = tl.program_id(2)
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    cols = tl.arange(0, D)
+    chunk = tl.arange(0, D // _CHUNK)    # 64-column chunks of a row: 7 NoPE, then RoPE
+    lane = tl.arange(0, _CHUNK)
+    chunk_off = chunk[:, None] * _CHUNK + lane[None, :]
+    is_nope_chunk = chunk < NOPE // _CHUNK
+    q = tl.load(q_ptr + tok * q_stride0 + heads[:, None] * q_stride1 + cols[None, :],
+                mask=hmask[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    main_start = tl.load(main_indptr_ptr + tok)
+    main_len = tl.load(main_indptr_ptr + tok + 1) - main_start
+    if HAS_EXTRA:
+        extra_start = tl.load(extra_indptr_ptr + tok)
+        total = main_len + tl.load(extra_indptr_ptr + tok + 1) - extra_start
+    else:
+        extra_start = 0
+        total = main_len
+    # This split's slice of the virtual list [main keys, extra keys], BLOCK_N aligned.
+    span = tl.cdiv(tl.cdiv(total, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * span
+    hi = tl.minimum(lo + span, total)
+
+    m_i = tl.full((BLOCK_H,), NEG_LARGE, tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    for k0 in tl.range(lo, hi, BLOCK_N):
+        j = k0 + tl.arange(0, BLOCK_N)
+        live = j < hi
+        if HAS_EXTRA:
+            in_main = j < main_len
+            idx = tl.where(in_main, main_idx_ptr + main_start + j,
+                           extra_idx_ptr + (extra_start - main_len) + j)
+            slot = tl.load(idx, mask=live, other=-1)
+            valid = (slot >= 0) & (slot < tl.where(in_main, main_rows, extra_rows))
+            # Unsigned division by the constexpr block sizes: shifts for powers of two. Each
+            # cache divides its own slots (one of the two is 0), so no division by a select.
+            s_main = tl.where(valid & in_main, slot, 0).to(tl.uint32)
+            s_extra = tl.where(valid & ~in_main, slot, 0).to(tl.uint32)
+            pos = (s_main % MAIN_BS + s_extra % EXTRA_BS).to(tl.int32)
+            page = tl.where(in_main, main_cache_ptr + (s_main // MAIN_BS).to(tl.int64) * main_stride0,
+                            extra_cache_ptr + (s_extra // EXTRA_BS).to(tl.int64) * extra_stride0)
+            scales = page + tl.where(in_main, MAIN_BS * _DATA, EXTRA_BS * _DATA) + pos * _SCALE
+        else:
+            slot = tl.load(main_idx_ptr + main_start + j, mask=live, other=-1)
+            valid = (slot >= 0) & (slot < main_rows)
+            s_main = tl.where(valid, slot, 0).to(tl.uint32)
+            pos = (s_main % MAIN_BS).to(tl.int32)
+            page = main_cache_ptr + (s_main // MAIN_BS).to(tl.int64) * main_stride0
+            scales = page + MAIN_BS * _DATA + pos * _SCALE  # 7 UE8M0 bytes + pad
+        data = page + pos * _DATA               # 448 e4m3 bytes, then 64 bf16
+        if ALIGNED:  # host checked: caches 16-byte aligned, page strides multiples of 16
+            data = tl.multiple_of(data, [16])
+
+        # One [BLOCK_N, 512] operand, built as [BLOCK_N, 8, 64]: chunks 0..6 are the NoPE
+        # bytes times their chunk's UE8M0 scale, chunk 7 the bf16 RoPE tail.
+        nope_mask = valid[:, None, None] & is_nope_chunk[None, :, None]
+        code = tl.load(data[:, None, None] + chunk_off[None, :, :], mask=nope_mask, other=0)
+        sbyte = tl.load(scales[:, None] + chunk[None, :],
+                        mask=valid[:, None] & is_nope_chunk[None, :], other=127)
+        nope = cvt_e4m3_to_f32(code, HW_FP8) * ue8m0_to_f32(sbyte)[:, :, None]
+        rope_bits = tl.load((data + NOPE).to(tl.pointer_type(tl.int16))[:, None] + lane[None, :],
+                            mask=valid[:, None], other=0)
+        rope = (rope_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # exact bf16->f32
+        k = tl.where(is_nope_chunk[None, :, None], nope, rope[:, None, :])
+        k = tl.reshape(k, (BLOCK_N, D))
+        k = tl.where(k == k, k, 0.0)  # NaN scrub, as upstream
+        if not DOT_FP32:
+            k = k.to(tl.bfloat16)
+
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where(valid[None, :], s, NEG_LARGE)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        p = tl.where(valid[None, :], p, 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+        m_i = m_new
+
+    if SPLIT:
+        ml = (tok * num_splits + split) * num_heads + heads
+        tl.store(part_m_ptr + ml, m_i, mask=hmask)
+        tl.store(part_l_ptr + ml, l_i, mask=hmask)
+        tl.store(part_acc_ptr + ml.to(tl.int64)[:, None] * D + cols[None, :], acc,
+                 mask=hmask[:, None])
+    else:
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * LOG2E
+            m_f = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_f)
+            l_i = l_i * alpha + tl.exp2(sink - m_f)
+            acc = acc * alpha[:, None]
+        inv_l = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+        o = acc * inv_l[:, None]
+        if INV_ROPE:
+            o = _inv_rope_gptj(o, pos_ptr, cs_ptr, cs_stride, tok, BLOCK_H, D, NOPE)
+        tl.store(out_ptr + tok * out_stride0 + heads[:, None] * out_stride1 + cols[None, :],
+                 o.to(tl.bfloat16), mask=hmask[:, None])
+
+
+@triton.jit
+def _sparse_mla_decode_reduce_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, out_ptr, pos_ptr, cs_ptr,
+    out_stride0, out_stride1, cs_stride, num_heads, num_splits,
+    HAS_SINK: tl.constexpr, INV_ROPE: tl.constexpr, SPLITS_P2: tl.constexpr,
+    UNROLL: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Grid (head tiles, tokens): combine the splits' (acc, m, l), add the sink, normalize,
+    optional inverse RoPE, store bf16. SPLITS_P2 >= num_splits (power of two): every
+    split's (m, l) is read in one load; the [BLOCK_H, 512] partials UNROLL at a time."""
+    D: tl.constexpr = _D
+    NOPE: tl.constexpr = _NOPE
+    pid_h = tl.program_id(0)
+    tok = tl.program_id(1)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    cols = tl.arange(0, D)
+    base = tok * num_splits * num_heads + heads
+
+    sp = tl.arange(0, SPLITS_P2)
+    ml = base[None, :] + sp[:, None] * num_heads
+    ml_mask = (sp < num_splits)[:, None] & hmask[None, :]
+    m_all = tl.load(part_m_ptr + ml, mask=ml_mask, other=NEG_LARGE)
+    m_f = tl.max(m_all, axis=0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * LOG2E
+        m_f = tl.maximum(m_f, sink)
+    l_f = tl.sum(tl.exp2(m_all - m_f[None, :]) * tl.load(part_l_ptr + ml, mask=ml_mask, other=0.0),
+                 axis=0)
+    if HAS_SINK:
+        l_f += tl.exp2(sink - m_f)
+    acc = tl.zeros((BLOCK_H, D), tl.float32)
+    for s0 in range(0, num_splits, UNROLL):
+        for u in tl.static_range(UNROLL):  # independent loads in flight
+            idx = base + (s0 + u) * num_heads
+            ok = hmask & (s0 + u < num_splits)
+            w = tl.exp2(tl.load(part_m_ptr + idx, mask=ok, other=NEG_LARGE) - m_f)
+            w = tl.where(ok, w, 0.0)
+            acc += w[:, None] * tl.load(part_acc_ptr + idx.to(tl.int64)[:, None] * D + cols[None, :],
+                                        mask=ok[:, None], other=0.0)
+    inv_l = tl.where(l_f > 0.0, 1.0 / tl.maximum(l_f, 1e-30), 0.0)
+    o = acc * inv_l[:, None]
+    if INV_ROPE:
+        o = _inv_rope_gptj(o, pos_ptr, cs_ptr, cs_stride, tok, BLOCK_H, D, NOPE)
+    tl.store(out_ptr + tok * out_stride0 + heads[:, None] * out_stride1 + cols[None, :],
+             o.to(tl.bfloat16), mask=hmask[:, None])
+
+
+# ----------------------------------------------------------------------------- host side
+def _check(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"sparse_attn_decode: {name}: {what}")
+
+
+def _check_tensor(t, name: str, dtypes: tuple, ndim: int, device) -> None:
+    _check(isinstance(t, torch.Tensor), name, f"expected a tensor, got {type(t).__name__}")
+    _check(t.dtype in dtypes, name, f"dtype {t.dtype}, expected one of {dtypes}")
+    _check(t.ndim == ndim, name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
+    _check(t.device == device, name, f"on {t.device}, expected {device} (q's device)")
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_cache(cache, name: str, device) -> None:
+    _check_tensor(cache, name, (torch.uint8,), 3, device)
+    _check(cache.shape[2] == RECORD_BYTES and cache.stride(2) == 1
+           and cache.stride(1) == RECORD_BYTES, name,
+           f"expected [blocks, block_size, {RECORD_BYTES}] uint8 pages with contiguous "
+           f"records, got shape {tuple(cache.shape)} strides {cache.stride()}")
+
+
+def _ragged(indices, indptr, tokens: int, prefix: str, device):
+    _check_tensor(indices, f"{prefix}_indices", _INDEX_DTYPES, 1, device)
+    _check_tensor(indptr, f"{prefix}_indptr", _INDEX_DTYPES, 1, device)
+    _check(indptr.numel() == tokens + 1, f"{prefix}_indptr",
+           f"expected {tokens + 1} entries (tokens + 1), got {indptr.numel()}")
+    return (indices.to(torch.int32).contiguous(), indptr.to(torch.int32).contiguous())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # interpreter: one "SM", so the default never splits on CPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(tokens: int, head_tiles: int, avg_keys: float, tile: Tile,
+                      sm_count: int) -> int:
+    """Split-K factor (measured on H200, docs/sparse-mla-decode.md): split only while the
+    grid stays within one wave of ``sm_count * tile.ctas_per_sm`` CTAs, then snap down to
+    the fewest splits that give the same key tiles per CTA (every split costs a prologue,
+    a partial store and reduce work). 1 (no workspace, no reduce) once the grid fills it."""
+    slots = sm_count * tile.ctas_per_sm
+    base = max(1, tokens * head_tiles)
+    key_tiles = max(1, math.ceil(avg_keys / tile.block_n))
+    most = max(1, min(slots // base, key_tiles))
+    tiles_per_split = math.ceil(key_tiles / most)
+    return math.ceil(key_tiles / tiles_per_split)
+
+
+def launch_plan(tokens: int, heads: int, avg_keys: float, tile: Tile, sm_count: int,
+                num_kv_splits: int | None = None) -> tuple[int, int]:
+    """(heads per program, split count) for one launch."""
+    # Fewer heads than the tile: shrink it (tl.dot needs at least 16 rows).
+    block_h = max(16, min(tile.block_h, triton.next_power_of_2(heads)))
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_splits(tokens, triton.cdiv(heads, block_h), avg_keys, tile,
+                                          sm_count)
+    return block_h, num_kv_splits
+
+
+def resolve_variant(variant: str | None) -> str:
+    name = arch.current().name if variant is None else variant
+    if name not in TILES:
+        raise ValueError(f"sparse_attn_decode: variant {name!r} is not one of {', '.join(TILES)}")
+    return name
+
+
+def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sink,
+                       nope_head_dim, rope_head_dim, extra_cache=None, extra_indices=None,
+                       extra_indptr=None, out=None, inv_rope_positions=None,
+                       inv_rope_cos_sin_cache=None, *, num_kv_splits=None, variant=None):
+    """Sparse MLA decode over 584-byte records; returns ``out`` [tokens, heads, 512] bf16.
+
+    Arguments as upstream's ``_rocm_sparse_attn_decode_ragged_triton``: ``q`` [tokens,
+    heads, 512] bf16; ``main_cache``/``extra_cache`` [blocks, block_size, 584] uint8, rows
+    addressed by slot = block * block_size + pos (pages through ``cache.stride(0)``);
+    ``*_indices`` ragged int32 slot lists with ``*_indptr`` [tokens + 1] (entries < 0 or
+    out of range are skipped); ``attn_sink`` [heads] float or None; ``scale`` the softmax
+    scale. The extra triple is given entirely or not at all.
+
+    ``inv_rope_positions`` [tokens] (with ``inv_rope_cos_sin_cache`` [P, 64] = cos | sin):
+    the output's dims 448..511 get the inverse GPT-J RoPE, applied exactly once, in the
+    no-split path and the split path alike (upstream's CUDA fallback ignores it).
+
+    ``num_kv_splits``: None picks the split-K factor from the SM count and key count
+    (``choose_num_splits``); an int forces it (tests). ``variant``: tile/fp8 variant,
+    None meaning ``arch.current().name``; "cpu" runs the sm80 code in the interpreter.
+    """
+    name = resolve_variant(variant)
+    tile = TILES[name]
+    _check(isinstance(q, torch.Tensor), "q", "expected a tensor")
+    dev = q.device
+    _check_tensor(q, "q", (torch.bfloat16,), 3, dev)
+    _check(q.shape[2] == HEAD_DIM and q.stride(2) == 1, "q",
+           f"expected [tokens, heads, {HEAD_DIM}] with a contiguous last dim, got "
+           f"shape {tuple(q.shape)} strides {q.stride()}")
+    _check(nope_head_dim == NOPE_DIM, "nope_head_dim", f"must be {NOPE_DIM}, got {nope_head_dim}")
+    _check(rope_head_dim == ROPE_DIM, "rope_head_dim", f"must be {ROPE_DIM}, got {rope_head_dim}")
+    _check(isinstance(scale, (int, float)) and math.isfinite(scale), "scale",
+           f"expected a finite float, got {scale!r}")
+    tokens, heads, _ = q.shape
+    _check_cache(main_cache, "main_cache", dev)
+    main_indices, main_indptr = _ragged(main_indices, main_indptr, tokens, "main", dev)
+    extras = (extra_cache, extra_indices, extra_indptr)
+    has_extra = extra_cache is not None
+    _check(all((t is None) != has_extra for t in extras), "extra_cache/extra_indices/extra_indptr",
+           "give all three or none")
+    if has_extra:
+        _check_cache(extra_cache, "extra_cache", dev)
+        extra_indices, extra_indptr = _ragged(extra_indices, extra_indptr, tokens, "extra", dev)
+    else:
+        extra_cache, extra_indices, extra_indptr = main_cache, main_indices, main_indptr
+    has_sink = attn_sink is not None
+    if has_sink:
+        _check_tensor(attn_sink, "attn_sink", _FLOAT_DTYPES, 1, dev)
+        _check(attn_sink.numel() == heads, "attn_sink",
+               f"expected [{heads}] (one per head), got {tuple(attn_sink.shape)}")
+        attn_sink = attn_sink.contiguous()
+    inv_rope = inv_rope_positions is not None
+    _check((inv_rope_cos_sin_cache is not None) == inv_rope,
+           "inv_rope_positions/inv_rope_cos_sin_cache", "give both or neither")
+    if inv_rope:
+        _check_tensor(inv_rope_positions, "inv_rope_positions", _INDEX_DTYPES, 1, dev)
+        _check(inv_rope_positions.numel() == tokens, "inv_rope_positions",
+               f"expected [{tokens}], got {tuple(inv_rope_positions.shape)}")
+        _check_tensor(inv_rope_cos_sin_cache, "inv_rope_cos_sin_cache", _FLOAT_DTYPES, 2, dev)
+        _check(inv_rope_cos_sin_cache.shape[1] == ROPE_DIM
+               and inv_rope_cos_sin_cache.stride(1) == 1, "inv_rope_cos_sin_cache",
+               f"expected [positions, {ROPE_DIM}] = cos | sin with a contiguous last dim, "
+               f"got shape {tuple(inv_rope_cos_sin_cache.shape)}")
+        inv_rope_positions = inv_rope_positions.contiguous()
+    if out is None:
+        out = torch.empty(tokens, heads, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    else:
+        _check_tensor(out, "out", (torch.bfloat16,), 3, dev)
+        _check(tuple(out.shape) == tuple(q.shape) and out.stride(2) == 1, "out",
+               f"expected {tuple(q.shape)} with a contiguous last dim, got shape "
+               f"{tuple(out.shape)} strides {out.stride()}")
+    if num_kv_splits is not None:
+        _check(isinstance(num_kv_splits, int) and num_kv_splits >= 1, "num_kv_splits",
+               f"expected an int >= 1, got {num_kv_splits!r}")
+    if tokens == 0 or heads == 0:
+        return out
+
+    # Average keys per token from the index sizes: no device sync, as upstream does.
+    avg_keys = (main_indices.numel() + (extra_indices.numel() if has_extra else 0)) / tokens
+    block_h, num_kv_splits = launch_plan(tokens, heads, avg_keys, tile, _sm_count(dev),
+                                         num_kv_splits)
+    head_tiles = triton.cdiv(heads, block_h)
+    split = num_kv_splits > 1
+    if split:
+        part_m = torch.empty(tokens, num_kv_splits, heads, dtype=torch.float32, device=dev)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(tokens, num_kv_splits, heads, HEAD_DIM, dtype=torch.float32,
+                               device=dev)
+    else:
+        part_m = part_l = part_acc = out  # unused: SPLIT=False stores no partials
+    sink_arg = attn_sink if has_sink else out
+    pos_arg = inv_rope_positions if inv_rope else main_indptr
+    cs_arg = inv_rope_cos_sin_cache if inv_rope else out
+    cs_stride = inv_rope_cos_sin_cache.stride(0) if inv_rope else 0
+    hw_fp8 = arch.VARIANTS[name].hw_fp8
+    # 16-byte vector loads of the records need 16-byte aligned rows: 576 * pos is, the page
+    # base is when the cache pointer and the page stride are.
+    aligned = all(c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0
+                  for c in (main_cache, extra_cache))
+
+    _sparse_mla_decode_kernel[(head_tiles, num_kv_splits, tokens)](
+        q, main_cache, main_indices, main_indptr, extra_cache, extra_indices, extra_indptr,
+        sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        main_cache.stride(0), extra_cache.stride(0),
+        main_cache.shape[0] * main_cache.shape[1], extra_cache.shape[0] * extra_cache.shape[1],
+        cs_stride,
+        float(scale) * LOG2E.value, heads, num_kv_splits,
+        HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope and not split,
+        HW_FP8=hw_fp8, DOT_FP32=arch.interpreting(), ALIGNED=aligned,
+        MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1], BLOCK_H=block_h, BLOCK_N=tile.block_n,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if split:
+        rbh = tile.reduce_block_h
+        _sparse_mla_decode_reduce_kernel[(triton.cdiv(heads, rbh), tokens)](
+            part_m, part_l, part_acc, sink_arg, out, pos_arg, cs_arg,
+            out.stride(0), out.stride(1), cs_stride, heads, num_kv_splits,
+            HAS_SINK=has_sink, INV_ROPE=inv_rope, SPLITS_P2=triton.next_power_of_2(num_kv_splits),
+            UNROLL=REDUCE_UNROLL, BLOCK_H=rbh, num_warps=tile.reduce_warps)
+    return out
+
+
+# ----------------------------------------------------------------------------- compile gate
+_MAIN_SIG = {
+    "q_ptr": "*bf16", "main_cache_ptr": "*u8", "main_idx_ptr": "*i32", "main_indptr_ptr": "*i32",
+    "extra_cache_ptr": "*u8", "extra_idx_ptr": "*i32", "extra_indptr_ptr": "*i32",
+    "sink_ptr": "*fp32", "out_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+    "part_acc_ptr": "*fp32", "pos_ptr": "*i64", "cs_ptr": "*fp32",
+    **{k: "i32" for k in ("q_stride0", "q_stride1", "out_stride0", "out_stride1",
+                          "main_stride0", "extra_stride0", "main_rows", "extra_rows",
+                          "cs_stride")},
+    "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32",
+    **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE", "HW_FP8",
+                                "DOT_FP32", "ALIGNED", "MAIN_BS", "EXTRA_BS", "BLOCK_H",
+                                "BLOCK_N")},
+}
+_REDUCE_SIG = {
+    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "sink_ptr": "*fp32",
+    "out_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32",
+    **{k: "i32" for k in ("out_stride0", "out_stride1", "cs_stride", "num_heads", "num_splits")},
+    **{k: "constexpr" for k in ("HAS_SINK", "INV_ROPE", "SPLITS_P2", "UNROLL", "BLOCK_H")},
+}
+# Variants the gate builds ("sm80" also covers sm_86; sm86's tile is sm80's).
+GATE_VARIANTS = ("sm80", "sm89", "sm90", "sm100")
+# Block sizes the gate builds with (constexpr in the kernel): SWA pages of 32 tokens,
+# compressed pages of 128 tokens (64 on SM90; the tile's shared memory does not depend on it).
+GATE_SWA_PAGE, GATE_COMPRESSED_PAGE = 32, 128
+# Split-count bucket the gate builds the reduce with (512 + 128 keys in 64-key tiles: <= 16).
+GATE_SPLITS_P2 = 16
+
+
+def _register() -> None:
+    for v in GATE_VARIANTS:
+        t = TILES[v]
+        for split in (False, True):
+            register(GateSpec(
+                name=f"sparse_mla_decode.{'partial' if split else 'direct'}[{v}]",
+                kernel=_sparse_mla_decode_kernel, signature=_MAIN_SIG,
+                constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split, INV_ROPE=not split,
+                                HW_FP8=arch.VARIANTS[v].hw_fp8, DOT_FP32=False, ALIGNED=True,
+                                MAIN_BS=GATE_SWA_PAGE, EXTRA_BS=GATE_COMPRESSED_PAGE,
+                                BLOCK_H=t.block_h, BLOCK_N=t.block_n),
+                variants=(v,), num_warps=t.num_warps, num_stages=t.num_stages, feature=FEATURE))
+        register(GateSpec(
+            name=f"sparse_mla_decode.reduce[{v}]", kernel=_sparse_mla_decode_reduce_kernel,
+            signature=_REDUCE_SIG, constexprs=dict(HAS_SINK=True, INV_ROPE=True,
+                                                   SPLITS_P2=GATE_SPLITS_P2, UNROLL=REDUCE_UNROLL,
+                                                   BLOCK_H=t.reduce_block_h),
+            variants=(v,), num_warps=t.reduce_warps, num_stages=1, feature=FEATURE))
+
+
+_register()
