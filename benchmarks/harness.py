@@ -1,8 +1,13 @@
 """Benchmark harness: one process on one GPU times our kernels beside the upstream vLLM 0.33.0
 kernels they replace, at the same shapes, and writes one JSON file of rows.
 
-Timing: ``triton.testing.do_bench`` median (it warms up and flushes L2 before each call),
-over a ring of input copies larger than twice the L2 so no call finds its inputs cached.
+Timing: ``triton.testing.do_bench`` median over a ring of input copies larger than twice the
+L2 so no call finds its inputs cached. ``time_graph`` (the kernel's GPU time: the ring's
+launches captured in one CUDA graph, replays timed) is what rows report as ``ours_us`` /
+``upstream_us`` for the memory-bound kernels; ``time_ring`` (eager launches, host time
+included where it exceeds the kernel's) and ``host_us`` (CPU time per call) are reported
+beside it, because on the H200 host one Triton launch costs ~40 us of Python
+(benchmarks/diag/overhead.py), more than most of these kernels take on the GPU.
 Roofline: the device-to-device copy bandwidth and the bf16 matmul rate are measured in the
 same run; a memory-bound row reports ``bytes / time / copy_bw``, a matmul-bound row
 ``tflops / matmul_tflops``. The row schema is documented in benchmarks/README.md.
@@ -97,9 +102,60 @@ class Harness:
         return [make() for _ in range(n)]
 
     def time_ring(self, launch: Callable[[Any], Any], inputs: list) -> float:
-        """Median microseconds of ``launch(x)``, x cycling through ``inputs``."""
+        """Median microseconds of ``launch(x)``, x cycling through ``inputs`` (eager: where the
+        host launch path is slower than the kernel, this is host time)."""
         ring = itertools.cycle(inputs)
         return _do_bench(lambda: launch(next(ring)))
+
+    def time_graph(self, launch: Callable[[Any], Any], inputs: list, reps: int = 1) -> float:
+        """GPU microseconds per ``launch(x)``: one CUDA graph holding ``launch(x)`` for every
+        x of the ring (``reps`` times), its replays timed by ``do_bench`` (median), divided
+        by the launches per replay. Host launch cost is out of the measurement; the ring
+        (> 2x L2) keeps every launch's inputs out of the cache, as in ``time_ring``."""
+        for x in inputs[:2]:
+            launch(x)  # compile outside the capture
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm the allocator on a side stream, as torch asks
+            launch(inputs[0])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                for x in inputs:
+                    launch(x)
+        us = _do_bench(graph.replay) / (reps * len(inputs))
+        del graph
+        return us
+
+    def timings(self, launch: Callable[[Any], Any], inputs: list) -> dict:
+        """``{"gpu": time_graph, "eager": time_ring, "host": host_us}`` in microseconds."""
+        return {"gpu": self.time_graph(launch, inputs), "eager": self.time_ring(launch, inputs),
+                "host": self.host_us(launch, inputs[0])}
+
+    @staticmethod
+    def launch_fields(ours: dict, upstream: dict) -> dict:
+        """The eager and host times of a row, beside its GPU times (``ours_us``...)."""
+        return {"ours_eager_us": _r(ours["eager"]), "upstream_eager_us": _r(upstream["eager"]),
+                "ours_host_us": _r(ours["host"]), "upstream_host_us": _r(upstream["host"])}
+
+    @staticmethod
+    def host_us(launch: Callable[[Any], Any], x: Any, calls: int = 200) -> float:
+        """Host (CPU) microseconds per ``launch(x)`` call: ``calls`` back-to-back launches
+        timed on the wall clock before the device is synchronized (the GPU work of one call
+        must be shorter than its host time for this to be the host's cost alone; suites
+        pass their smallest input)."""
+        import time
+        for _ in range(10):
+            launch(x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            launch(x)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / calls * 1e6
 
     # ---------------------------------------------------------------- rows
     def add(self, kernel: str, variant: str, shape: dict, ours_us: float | None,

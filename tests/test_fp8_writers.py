@@ -41,6 +41,11 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert bad.numel() == 0, f"{what}: {bad.numel()} bytes differ, first at {bad[:8].flatten().tolist()}"
 
 
+def _on(device, *tensors):
+    """The test inputs (made on CPU by a seeded generator) on the test device."""
+    return tuple(t.to(device) for t in tensors)
+
+
 def _edge_rows(n_rows: int, dim: int, gen: torch.Generator) -> torch.Tensor:
     """Random rows with per-64-block magnitudes from 2^-20 to 2^12, then the edge rows."""
     x = torch.randn(n_rows, dim, generator=gen)
@@ -106,7 +111,7 @@ def _paged_buffer(num_blocks: int, block: int, row_bytes: int, gen: torch.Genera
 
 
 @pytest.mark.parametrize("compress_ratio", [1, 2])
-def test_rope_quant_insert_584_matches_upstream(up, compress_ratio):
+def test_rope_quant_insert_584_matches_upstream(up, compress_ratio, device):
     gen = torch.Generator().manual_seed(41 + compress_ratio)
     n, block, nblocks = 48, 16, 4
     latent = _edge_rows(n, 512, gen).to(torch.bfloat16)
@@ -116,6 +121,7 @@ def test_rope_quant_insert_584_matches_upstream(up, compress_ratio):
     slots[5] = -1
     cos_sin = _cos_sin(256, 64, gen)
     base, pages = _paged_buffer(nblocks, block, rec.RECORD_BYTES, gen)
+    latent, positions, slots, cos_sin, base = _on(device, latent, positions, slots, cos_sin, base)
 
     ref = base.clone()
     cache = pages(ref)
@@ -133,15 +139,17 @@ def test_rope_quant_insert_584_matches_upstream(up, compress_ratio):
     _assert_same(outs["sm80"], outs["sm90"], "sm80 vs sm90")
 
 
-def test_rope_quant_insert_584_decodes_to_reference():
+def test_rope_quant_insert_584_decodes_to_reference(device):
     """Our record, read back by the plain-torch reader, equals kv_record's quantizer."""
     gen = torch.Generator().manual_seed(7)
     latent = _edge_rows(6, 512, gen).to(torch.bfloat16)
     cos_sin = _cos_sin(8, 64, gen)
     positions = torch.zeros(6, dtype=torch.int64)
     slots = torch.arange(6, dtype=torch.int64)
-    cache = rec.new_cache(1, 8)
-    v41.rope_quant_insert(latent, positions, cos_sin, cache, slots, 1, variant="sm80")
+    cache = rec.new_cache(1, 8).to(device)
+    v41.rope_quant_insert(*_on(device, latent, positions, cos_sin), cache, slots.to(device), 1,
+                          variant="sm80")
+    cache = cache.cpu()
     expect = rec.new_cache(1, 8)
     rec.insert_rows(expect, slots, latent.float())
     bs = cache.shape[1]
@@ -154,7 +162,7 @@ def test_rope_quant_insert_584_decodes_to_reference():
 
 # ----------------------------------------------------------------- V4.1 indexer K store
 @pytest.mark.parametrize("compress_ratio,mx_scale", [(1, False), (2, False), (2, True)])
-def test_indexer_k_store_matches_upstream(up, compress_ratio, mx_scale):
+def test_indexer_k_store_matches_upstream(up, compress_ratio, mx_scale, device):
     gen = torch.Generator().manual_seed(100 + compress_ratio + mx_scale)
     n, block, nblocks, row = 40, 8, 6, 132
     k_pre = _edge_rows(n, 128, gen).to(torch.bfloat16)
@@ -166,6 +174,8 @@ def test_indexer_k_store_matches_upstream(up, compress_ratio, mx_scale):
     cos_sin = _cos_sin(128, 64, gen)
     eps = 1e-6
     base = torch.randint(0, 256, (nblocks, block, row), generator=gen, dtype=torch.uint8)
+    k_pre, weight, positions, slots, cos_sin, base = _on(device, k_pre, weight, positions, slots,
+                                                         cos_sin, base)
 
     ref = base.clone()
     up["v41_indexer_k_store"]._indexer_k_norm_rope_quant_store_kernel[(n,)](
@@ -191,10 +201,12 @@ def _upstream_inv_rope(up, o, positions, cos_sin, n_groups, hpg, qgs, packed, qu
     d, blocks, chunks = hpg * hd, hpg * hd // qgs, hd // qgs
     padded = -(-t // 4) * 4 if quantize else t
     inner = ((blocks + 3) // 4 if packed else blocks) if quantize else 0
-    out = torch.empty((n_groups, t, d), dtype=torch.float8_e4m3fn if quantize else o.dtype)
+    out = torch.empty((n_groups, t, d), dtype=torch.float8_e4m3fn if quantize else o.dtype,
+                      device=o.device)
     sdt = torch.int32 if packed else torch.float32
-    sc = (torch.empty(n_groups * inner * padded, dtype=sdt).as_strided(
-        (n_groups, t, inner), (inner * padded, 1, padded)) if quantize else torch.empty(0, dtype=sdt))
+    sc = (torch.empty(n_groups * inner * padded, dtype=sdt, device=o.device).as_strided(
+        (n_groups, t, inner), (inner * padded, 1, padded)) if quantize
+          else torch.empty(0, dtype=sdt, device=o.device))
     up["v4_inv_rope_fp8"].FusedInvRopeFP8QuantKernel_kernel[(padded, h)](
         o, positions, cos_sin, out, sc, t, heads_per_group=hpg, o_stride_token=o.stride(0),
         o_stride_head=o.stride(1), cache_stride_pos=cos_sin.stride(0), out_stride_group=out.stride(0),
@@ -206,12 +218,13 @@ def _upstream_inv_rope(up, o, positions, cos_sin, n_groups, hpg, qgs, packed, qu
 
 
 @pytest.mark.parametrize("packed,quantize", [(False, True), (True, True), (False, False)])
-def test_inv_rope_fp8_quant_matches_upstream(up, packed, quantize):
+def test_inv_rope_fp8_quant_matches_upstream(up, packed, quantize, device):
     gen = torch.Generator().manual_seed(200 + 2 * packed + quantize)
     t, n_groups, hpg = 5, 2, 2  # 5 tokens: the scale buffer has 3 padding rows
     o = _edge_rows(t * n_groups * hpg, 512, gen).reshape(t, n_groups * hpg, 512).to(torch.bfloat16)
     positions = torch.randint(0, 64, (t,), generator=gen, dtype=torch.int64)
     cos_sin = _cos_sin(64, 64, gen)
+    o, positions, cos_sin = _on(device, o, positions, cos_sin)
     ref_out, ref_sc = _upstream_inv_rope(up, o, positions, cos_sin, n_groups, hpg, 128, packed, quantize)
     res = {}
     for v in VARIANTS:
@@ -230,7 +243,7 @@ def test_inv_rope_fp8_quant_matches_upstream(up, packed, quantize):
 
 
 # ----------------------------------------------------------------- V4 indexer Q
-def test_indexer_q_rope_quant_matches_upstream(up):
+def test_indexer_q_rope_quant_matches_upstream(up, device):
     gen = torch.Generator().manual_seed(300)
     t, h, hd = 8, 8, 128
     q = _edge_rows(t * h, hd, gen).reshape(t, h, hd).to(torch.bfloat16)
@@ -238,8 +251,9 @@ def test_indexer_q_rope_quant_matches_upstream(up):
     cos_sin = _cos_sin(64, 64, gen)
     weights = torch.randn(t, h, generator=gen).to(torch.bfloat16)
     sm_scale, head_scale = 128 ** -0.5, 4 ** -0.5
-    ref_q = torch.empty(t, h, hd, dtype=torch.float8_e4m3fn)
-    ref_w = torch.empty(t, h, dtype=torch.float32)
+    q, positions, cos_sin, weights = _on(device, q, positions, cos_sin, weights)
+    ref_q = torch.empty(t, h, hd, dtype=torch.float8_e4m3fn, device=device)
+    ref_w = torch.empty(t, h, dtype=torch.float32, device=device)
     up["v4_fused_indexer_q"].FusedIndexerQRopeQuantTritonKernel_kernel[(t, h)](
         positions, q, q.stride(0), q.stride(1), cos_sin, cos_sin.stride(0), 32,
         ref_q, ref_q.stride(0), ref_q.stride(1), hd, weights, weights.stride(0), sm_scale,
@@ -252,7 +266,8 @@ def test_indexer_q_rope_quant_matches_upstream(up):
         _assert_same(res[v][0], ref_q, f"{v} q vs upstream")
         _assert_same(res[v][1], ref_w, f"{v} weights vs upstream")
     _assert_same(res["sm80"][0], res["sm90"][0], "sm80 vs sm90")
-    # variant=None on this machine resolves to "cpu", which runs the software cast.
+    # variant=None resolves to this machine's variant ("cpu": the software cast; on the
+    # H200 "sm90"); sm80 == sm90 was asserted above, so either must match.
     q8, w = v4.fused_indexer_q_rope_quant(positions, q, cos_sin, weights, sm_scale, head_scale)
     _assert_same(q8, res["sm80"][0], "default variant vs sm80")
 

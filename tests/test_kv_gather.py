@@ -322,6 +322,16 @@ def test_validation_names_the_tensor(over, name):
         kg.dequantize_and_gather_k_cache(**_args(**over), variant="sm80")
 
 
+def test_fast_check_accepts_valid_inputs():
+    # The per-call check (_inputs_ok) must pass good inputs, or every call pays for the
+    # detailed messages path; it must reject each bad case of the table above (else that
+    # test would not raise).
+    assert kg._inputs_ok(**_args())
+    assert kg._inputs_ok(**_args(gather_lens=torch.tensor([8], dtype=torch.int32), offset=8))
+    assert not kg._inputs_ok(**_args(k_cache=torch.zeros(2, 64, 528, dtype=torch.uint8)))
+    assert not kg._inputs_ok(**_args(out=None))
+
+
 def test_fnuz_and_unknown_variant():
     with pytest.raises(NotImplementedError, match="ROCm"):
         kg.dequantize_and_gather_k_cache(**_args(), use_fnuz=True)

@@ -235,6 +235,16 @@ def test_validation_names_the_tensor(over, name):
         ts.combine_topk_swa_indices(**_args(**over))
 
 
+def test_fast_check_accepts_valid_inputs():
+    # The per-call check must pass good inputs (else every call takes the slow message path)
+    # and reject the bad cases above (else those tests would not raise).
+    ws = (torch.zeros(4, 640, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
+    assert ts._inputs_ok(**_args(), out=None, width=640)
+    assert ts._inputs_ok(**_args(), out=ws, width=640)
+    assert not ts._inputs_ok(**_args(), out=(ws[0][:, :512], ws[1]), width=640)
+    assert not ts._inputs_ok(**_args(topk=513), out=None, width=640)
+
+
 def test_empty_batch_returns_shaped_outputs():
     ci, cl = ts.combine_topk_swa_indices(**_args(topk_indices=torch.zeros(0, 512, dtype=torch.int32),
                                                  query_start_loc=torch.tensor([3, 3], dtype=torch.int32)))

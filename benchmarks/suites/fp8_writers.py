@@ -4,7 +4,8 @@ For each writer (vllm.deepinfer.kernels.fp8_writers_v41 / _v4) the upstream kern
 our sm80 variant (software e4m3 cast, the Ampere code) and sm90 variant (hardware cast)
 run on the same inputs; the outputs (cache bytes, fp8 values, scales, weights) are
 compared byte for byte against upstream, and each is timed over an input ring larger than
-twice the L2. All are memory-bound: ``bytes`` counts what a launch must read and write.
+twice the L2 (``ours_us``/``upstream_us``: GPU time, launches captured in a CUDA graph;
+``*_eager_us``/``*_host_us``: eager time and CPU time per call). All are memory-bound: ``bytes`` counts what a launch must read and write.
 Shapes: hidden 5120, 64 heads of 512 (448 NoPE + 64 RoPE), 8 o groups, 128-token cache
 pages, indexer heads of 128 (64 heads for the Q side); prefill-sized and decode-sized
 token counts.
@@ -40,12 +41,13 @@ def _row(h: Harness, kernel: str, shape: dict, nbytes: int, inputs: list, launch
          outputs) -> None:
     """Time upstream and our variants on ``inputs``; compare ``outputs(x, who)`` bytes."""
     ref = outputs(inputs[0], "upstream")
-    up_us = h.time_ring(lambda x: launches["upstream"](x), inputs)
+    up_t = h.timings(lambda x: launches["upstream"](x), inputs)
     for v in OURS:
         got = outputs(inputs[0], v)
         exact = all(bit_equal(a, b) for a, b in zip(got, ref))
-        us = h.time_ring(lambda x, v=v: launches[v](x), inputs)
-        h.add(kernel, v, shape, us, up_us, bytes=nbytes, exact=exact)
+        t = h.timings(lambda x, v=v: launches[v](x), inputs)
+        h.add(kernel, v, shape, t["gpu"], up_t["gpu"], bytes=nbytes, exact=exact,
+              **h.launch_fields(t, up_t))
 
 
 # ----------------------------------------------------------------- V4.1 compressed insert

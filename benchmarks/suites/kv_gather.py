@@ -11,6 +11,9 @@ Upstream is launched as ``dequantize_and_gather_k_cache_triton`` does on CUDA: g
 grid; the NVIDIA V4.1 caller passes none and gets 128 workers — that time is the extra field
 ``upstream_128w_us``). Ours gets the same ``max_gather_len``.
 
+Times: ``ours_us``/``upstream_us`` (and ``upstream_128w_us``) are GPU times
+(``Harness.time_graph``); ``*_eager_us`` eager ``do_bench`` times, ``*_host_us`` CPU time per call.
+
 Rows: variant ``sm80`` (the Ampere tile and decoder), ``sm90`` (hardware e4m3), and the
 other exact software decoders in the Ampere tile as ``sm80-int`` / ``sm80-e4b15`` (which
 decoder the Ampere row should use). ``bytes`` = 584 read + 1024 written per gathered token.
@@ -113,18 +116,19 @@ def run(h: Harness) -> None:
             max_gl = max(gls)
             gen.manual_seed(tokens)
             inputs = h.copies(lambda: _make(dev, gls, seqs, gen), tokens * BYTES_PER_TOKEN * 2)
-            up_us = h.time_ring(lambda x: _upstream(x, max_gl), inputs)
-            up128_us = h.time_ring(lambda x: _upstream(x, None), inputs)
+            up_t = h.timings(lambda x: _upstream(x, max_gl), inputs)
+            up128_us = h.time_graph(lambda x: _upstream(x, None), inputs)
             x = inputs[0]
             x["out_up"].zero_()
             _upstream(x, max_gl)
             for variant in ["sm80", "sm90", *extra_rows]:
-                us = h.time_ring(lambda x: _ours(x, variant, max_gl), inputs)
+                t = h.timings(lambda x: _ours(x, variant, max_gl), inputs)
                 x["out"].zero_()
                 _ours(x, variant, max_gl)
-                h.add("kv_gather", variant, shape, us, up_us, bytes=tokens * BYTES_PER_TOKEN,
-                      exact=bit_equal(x["out"], x["out_up"]), upstream_128w_us=round(up128_us, 3),
-                      tile=dataclasses.asdict(kg.TILES[variant]))
+                h.add("kv_gather", variant, shape, t["gpu"], up_t["gpu"],
+                      bytes=tokens * BYTES_PER_TOKEN, exact=bit_equal(x["out"], x["out_up"]),
+                      upstream_128w_us=round(up128_us, 3),
+                      tile=dataclasses.asdict(kg.TILES[variant]), **h.launch_fields(t, up_t))
             del inputs, x
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

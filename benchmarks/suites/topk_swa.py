@@ -12,6 +12,10 @@ ratios 0-2, V4 ``CombineTopkSwaIndicesKernel`` (IMAGE_WIDTH 0) for 4 and 128; it
 includes the fill. Ours writes the same workspace with no fill. Top-k entries are valid
 indices below N (the V4 CUDA kernel does not map invalid ones to -1), about 3% -1.
 
+Times: ``ours_us``/``upstream_us`` are GPU times (``Harness.time_graph``: launches captured in a
+CUDA graph); ``*_eager_us`` are eager ``do_bench`` times and ``*_host_us`` the CPU time per call
+(upstream's includes its fill launch).
+
 ``bytes`` = what the operation must move: the valid top-k entries read (sum of topk_len * 4),
 every output row written (width * 4) and the lengths (4 per token). ``exact``: indices and
 lengths bit-identical to upstream's. Rows for variants ``sm80`` and ``sm90`` (same kernel and
@@ -116,14 +120,15 @@ def run(h: Harness) -> None:
         gen.manual_seed(sum(q_lens) + ratio)
         per_copy = sum(q_lens) * (topk_width + 2 * width) * 4
         inputs = h.copies(lambda: _make(dev, gen, q_lens, ctx, topk_width, ratio), per_copy)
-        up_us = h.time_ring(lambda x: _upstream(x, ratio, topk), inputs)
+        up_t = h.timings(lambda x: _upstream(x, ratio, topk), inputs)
         x = inputs[0]
         _upstream(x, ratio, topk)
         for variant in ("sm80", "sm90"):
-            us = h.time_ring(lambda x: _ours(x, ratio, topk, variant), inputs)
+            t = h.timings(lambda x: _ours(x, ratio, topk, variant), inputs)
             x["ws"][0].fill_(7)
             x["ws"][1].fill_(7)
             _ours(x, ratio, topk, variant)
             exact = bit_equal(x["ws"][0], x["ws_up"][0]) and bit_equal(x["ws"][1], x["ws_up"][1])
-            h.add("topk_swa", variant, shape, us, up_us, bytes=nbytes, exact=exact, width=width)
+            h.add("topk_swa", variant, shape, t["gpu"], up_t["gpu"], bytes=nbytes, exact=exact,
+                  width=width, **h.launch_fields(t, up_t))
         del inputs, x

@@ -170,9 +170,37 @@ def _req_bucket(num_reqs: int) -> int:
     return _REQ_BUCKETS[-1]
 
 
+def _inputs_ok(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset) -> bool:
+    """Every condition of ``_validate`` in one expression, with no message built: the per-call
+    check. ``_validate`` runs (and names the bad tensor) only when this says False. On the
+    H200 host the full ``_validate`` took ~19 us per call next to Triton's own ~40 us launch
+    (benchmarks/diag/overhead.py)."""
+    try:
+        osh, ost = out.shape, out.stride()
+        ksh, kst = k_cache.shape, k_cache.stride()
+        n = seq_lens.shape[0]
+        dev = out.device
+        return (out.dtype is torch.bfloat16 and len(osh) == 3 and osh[2] == HEAD_DIM
+                and ost[2] == 1 and osh[0] >= n and 0 <= offset <= osh[1]
+                and k_cache.dtype is torch.uint8 and len(ksh) == 3 and ksh[2] == RECORD_BYTES
+                and kst[2] == 1 and (ksh[1] <= 1 or kst[1] == RECORD_BYTES)
+                and block_size >= 1 and (ksh[0] <= 1 or kst[0] >= block_size * RECORD_BYTES)
+                and seq_lens.dtype is torch.int32 and seq_lens.dim() == 1
+                and seq_lens.is_contiguous()
+                and (gather_lens is None
+                     or (gather_lens.dtype is torch.int32 and gather_lens.dim() == 1
+                         and gather_lens.shape[0] == n and gather_lens.is_contiguous()
+                         and gather_lens.device == dev))
+                and block_table.dtype is torch.int32 and block_table.dim() == 2
+                and block_table.shape[0] >= n and block_table.stride(1) == 1
+                and k_cache.device == dev and seq_lens.device == dev
+                and block_table.device == dev)
+    except (AttributeError, IndexError, TypeError):
+        return False
+
+
 def _validate(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
-    # Messages are built only on failure (lambdas): this runs on every call, and formatting
-    # them eagerly cost ~10 us of host time per launch.
+    # Messages are built only on failure (lambdas); the per-call check is _inputs_ok.
     def need(cond, name, what):
         if not cond:
             raise ValueError(f"{name}: {what() if callable(what) else what}")
@@ -237,7 +265,8 @@ def dequantize_and_gather_k_cache(
         raise NotImplementedError(
             "use_fnuz=True reads FNUZ e4m3 (ROCm gfx942 caches); vllm.deepinfer serves CUDA "
             "only — route this call to upstream vLLM")
-    _validate(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
+    if not _inputs_ok(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
+        _validate(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
     tile = _tile(variant)
     num_reqs = seq_lens.shape[0]
     cap = out.shape[1] - offset
@@ -247,6 +276,17 @@ def dequantize_and_gather_k_cache(
         return
     sms = sm_count if sm_count is not None else sm_count_of(out.device)
     step = _REQ_BUCKETS[-1]
+    if num_reqs <= step:  # one launch on the caller's tensors (no slicing: ~1 us a view)
+        grid = (max(1, min(num_reqs * triton.cdiv(cap, tile.tokens),
+                           tile.programs_per_sm * sms)),)
+        _gather_kernel[grid](
+            out, out.stride(0), out.stride(1), k_cache, k_cache.stride(0), seq_lens,
+            gather_lens if gather_lens is not None else seq_lens, block_table,
+            block_table.stride(0), num_reqs, block_size, offset,
+            TOKENS=tile.tokens, BLOCK_R=_req_bucket(num_reqs),
+            HAS_GATHER_LENS=gather_lens is not None, DECODE=_DECODES[tile.decode],
+            num_warps=tile.num_warps, num_stages=1)
+        return
     for r0 in range(0, num_reqs, step):
         r1 = min(num_reqs, r0 + step)
         n = r1 - r0
