@@ -184,6 +184,22 @@ def test_swa_plus_topk_invalid_entries(device, variant, splits, inv_rope):
     assert_close(ours, ref)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("splits,inv_rope", [(1, True), (3, False)])
+def test_prefetch_matches_no_prefetch(device, monkeypatch, prefetch, splits, inv_rope):
+    # The register double-buffered key loop (Tile.prefetch) against the reference, with
+    # invalid slots and tiles straddling the main/extra boundary; the last prefetch reads
+    # past the split's end (masked).
+    import dataclasses
+    for v in ("sm80", "sm90", "cpu"):
+        monkeypatch.setitem(smd.TILES, v, dataclasses.replace(smd.TILES[v], prefetch=prefetch))
+    q, mc, mi, mp, sink, ex = setup(device, 5, main_lens=[21, 0, 40], extra_lens=[30, 44, 9],
+                                    invalid=0.3)
+    ours, ref = run_both(q, mc, mi, mp, sink, ex, variant="sm80", splits=splits,
+                         inv_rope=inv_rope, device=device)
+    assert_close(ours, ref)
+
+
 @pytest.mark.parametrize("variant,heads", [("sm90", 64), ("sm90", 80), ("sm80", 20)])
 def test_head_tiles(device, variant, heads):
     # sm90: one program owns 64 heads (80 heads: a second, partly masked head tile);

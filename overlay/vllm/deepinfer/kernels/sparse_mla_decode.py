@@ -80,6 +80,9 @@ class Tile:
     # programs) and warps.
     reduce_block_h: int = 8
     reduce_warps: int = 4
+    # Load the next key tile's bytes before computing on the current one (register double
+    # buffering; Triton's own pipeliner does not stage these gathered loads).
+    prefetch: bool = False
 
 
 # Tile table keyed by variant name (docs/sparse-mla-decode.md has the gate figures).
@@ -128,6 +131,54 @@ def _inv_rope_gptj(out, pos_ptr, cs_ptr, cs_stride, tok, BLOCK_H: tl.constexpr,
 
 
 @triton.jit
+def _load_key_tile(k0, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0,
+                   main_rows, extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0,
+                   extra_rows, HAS_EXTRA: tl.constexpr, ALIGNED: tl.constexpr,
+                   MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Raw bytes of key rows k0 .. k0 + BLOCK_N of the virtual list [main keys, extra keys]
+    (rows >= hi, and invalid slots, masked): (e4m3 codes [BLOCK_N, 8, 64] with chunk 7
+    zero, UE8M0 bytes [BLOCK_N, 8], RoPE bits [BLOCK_N, 64] int16, valid [BLOCK_N])."""
+    NOPE: tl.constexpr = _NOPE
+    chunk = tl.arange(0, _D // _CHUNK)
+    lane = tl.arange(0, _CHUNK)
+    chunk_off = chunk[:, None] * _CHUNK + lane[None, :]
+    is_nope_chunk = chunk < NOPE // _CHUNK
+    j = k0 + tl.arange(0, BLOCK_N)
+    live = j < hi
+    if HAS_EXTRA:
+        in_main = j < main_len
+        idx = tl.where(in_main, main_idx_ptr + main_start + j,
+                       extra_idx_ptr + (extra_start - main_len) + j)
+        slot = tl.load(idx, mask=live, other=-1)
+        valid = (slot >= 0) & (slot < tl.where(in_main, main_rows, extra_rows))
+        # Unsigned division by the constexpr block sizes: shifts for powers of two. Each
+        # cache divides its own slots (one of the two is 0), so no division by a select.
+        s_main = tl.where(valid & in_main, slot, 0).to(tl.uint32)
+        s_extra = tl.where(valid & ~in_main, slot, 0).to(tl.uint32)
+        pos = (s_main % MAIN_BS + s_extra % EXTRA_BS).to(tl.int32)
+        page = tl.where(in_main, main_cache_ptr + (s_main // MAIN_BS).to(tl.int64) * main_stride0,
+                        extra_cache_ptr + (s_extra // EXTRA_BS).to(tl.int64) * extra_stride0)
+        scales = page + tl.where(in_main, MAIN_BS * _DATA, EXTRA_BS * _DATA) + pos * _SCALE
+    else:
+        slot = tl.load(main_idx_ptr + main_start + j, mask=live, other=-1)
+        valid = (slot >= 0) & (slot < main_rows)
+        s_main = tl.where(valid, slot, 0).to(tl.uint32)
+        pos = (s_main % MAIN_BS).to(tl.int32)
+        page = main_cache_ptr + (s_main // MAIN_BS).to(tl.int64) * main_stride0
+        scales = page + MAIN_BS * _DATA + pos * _SCALE  # 7 UE8M0 bytes + pad
+    data = page + pos * _DATA               # 448 e4m3 bytes, then 64 bf16
+    if ALIGNED:  # host checked: caches 16-byte aligned, page strides multiples of 16
+        data = tl.multiple_of(data, [16])
+    code = tl.load(data[:, None, None] + chunk_off[None, :, :],
+                   mask=valid[:, None, None] & is_nope_chunk[None, :, None], other=0)
+    sbyte = tl.load(scales[:, None] + chunk[None, :],
+                    mask=valid[:, None] & is_nope_chunk[None, :], other=127)
+    rope_bits = tl.load((data + NOPE).to(tl.pointer_type(tl.int16))[:, None] + lane[None, :],
+                        mask=valid[:, None], other=0)
+    return code, sbyte, rope_bits, valid
+
+
+@triton.jit
 def _sparse_mla_decode_kernel(
     q_ptr, main_cache_ptr, main_idx_ptr, main_indptr_ptr,
     extra_cache_ptr, extra_idx_ptr, extra_indptr_ptr,
@@ -138,6 +189,7 @@ def _sparse_mla_decode_kernel(
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     INV_ROPE: tl.constexpr, HW_FP8: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
     MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Grid (head tiles, splits, tokens). ``qk_scale`` = softmax scale * log2(e).
 
@@ -156,8 +208,6 @@ def _sparse_mla_decode_kernel(
     hmask = heads < num_heads
     cols = tl.arange(0, D)
     chunk = tl.arange(0, D // _CHUNK)    # 64-column chunks of a row: 7 NoPE, then RoPE
-    lane = tl.arange(0, _CHUNK)
-    chunk_off = chunk[:, None] * _CHUNK + lane[None, :]
     is_nope_chunk = chunk < NOPE // _CHUNK
     q = tl.load(q_ptr + tok * q_stride0 + heads[:, None] * q_stride1 + cols[None, :],
                 mask=hmask[:, None], other=0.0)
@@ -180,44 +230,27 @@ def _sparse_mla_decode_kernel(
     m_i = tl.full((BLOCK_H,), NEG_LARGE, tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
+    if PREFETCH:  # the first tile's bytes; each iteration then loads the next one's
+        code, sbyte, rope_bits, valid = _load_key_tile(
+            lo, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0, main_rows,
+            extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0, extra_rows,
+            HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
     for k0 in tl.range(lo, hi, BLOCK_N):
-        j = k0 + tl.arange(0, BLOCK_N)
-        live = j < hi
-        if HAS_EXTRA:
-            in_main = j < main_len
-            idx = tl.where(in_main, main_idx_ptr + main_start + j,
-                           extra_idx_ptr + (extra_start - main_len) + j)
-            slot = tl.load(idx, mask=live, other=-1)
-            valid = (slot >= 0) & (slot < tl.where(in_main, main_rows, extra_rows))
-            # Unsigned division by the constexpr block sizes: shifts for powers of two. Each
-            # cache divides its own slots (one of the two is 0), so no division by a select.
-            s_main = tl.where(valid & in_main, slot, 0).to(tl.uint32)
-            s_extra = tl.where(valid & ~in_main, slot, 0).to(tl.uint32)
-            pos = (s_main % MAIN_BS + s_extra % EXTRA_BS).to(tl.int32)
-            page = tl.where(in_main, main_cache_ptr + (s_main // MAIN_BS).to(tl.int64) * main_stride0,
-                            extra_cache_ptr + (s_extra // EXTRA_BS).to(tl.int64) * extra_stride0)
-            scales = page + tl.where(in_main, MAIN_BS * _DATA, EXTRA_BS * _DATA) + pos * _SCALE
+        if PREFETCH:
+            cur_code, cur_sbyte, cur_rope, cur_valid = code, sbyte, rope_bits, valid
+            code, sbyte, rope_bits, valid = _load_key_tile(
+                k0 + BLOCK_N, hi, main_cache_ptr, main_idx_ptr, main_start, main_len,
+                main_stride0, main_rows, extra_cache_ptr, extra_idx_ptr, extra_start,
+                extra_stride0, extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
         else:
-            slot = tl.load(main_idx_ptr + main_start + j, mask=live, other=-1)
-            valid = (slot >= 0) & (slot < main_rows)
-            s_main = tl.where(valid, slot, 0).to(tl.uint32)
-            pos = (s_main % MAIN_BS).to(tl.int32)
-            page = main_cache_ptr + (s_main // MAIN_BS).to(tl.int64) * main_stride0
-            scales = page + MAIN_BS * _DATA + pos * _SCALE  # 7 UE8M0 bytes + pad
-        data = page + pos * _DATA               # 448 e4m3 bytes, then 64 bf16
-        if ALIGNED:  # host checked: caches 16-byte aligned, page strides multiples of 16
-            data = tl.multiple_of(data, [16])
-
+            cur_code, cur_sbyte, cur_rope, cur_valid = _load_key_tile(
+                k0, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0,
+                main_rows, extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0,
+                extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
         # One [BLOCK_N, 512] operand, built as [BLOCK_N, 8, 64]: chunks 0..6 are the NoPE
         # bytes times their chunk's UE8M0 scale, chunk 7 the bf16 RoPE tail.
-        nope_mask = valid[:, None, None] & is_nope_chunk[None, :, None]
-        code = tl.load(data[:, None, None] + chunk_off[None, :, :], mask=nope_mask, other=0)
-        sbyte = tl.load(scales[:, None] + chunk[None, :],
-                        mask=valid[:, None] & is_nope_chunk[None, :], other=127)
-        nope = cvt_e4m3_to_f32(code, HW_FP8) * ue8m0_to_f32(sbyte)[:, :, None]
-        rope_bits = tl.load((data + NOPE).to(tl.pointer_type(tl.int16))[:, None] + lane[None, :],
-                            mask=valid[:, None], other=0)
-        rope = (rope_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # exact bf16->f32
+        nope = cvt_e4m3_to_f32(cur_code, HW_FP8) * ue8m0_to_f32(cur_sbyte)[:, :, None]
+        rope = (cur_rope.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # exact bf16->f32
         k = tl.where(is_nope_chunk[None, :, None], nope, rope[:, None, :])
         k = tl.reshape(k, (BLOCK_N, D))
         k = tl.where(k == k, k, 0.0)  # NaN scrub, as upstream
@@ -225,11 +258,11 @@ def _sparse_mla_decode_kernel(
             k = k.to(tl.bfloat16)
 
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(valid[None, :], s, NEG_LARGE)
+        s = tl.where(cur_valid[None, :], s, NEG_LARGE)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        p = tl.where(valid[None, :], p, 0.0)
+        p = tl.where(cur_valid[None, :], p, 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
         m_i = m_new
@@ -486,7 +519,7 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
         HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope and not split,
         HW_FP8=hw_fp8, DOT_FP32=arch.interpreting(), ALIGNED=aligned,
         MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1], BLOCK_H=block_h, BLOCK_N=tile.block_n,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        PREFETCH=tile.prefetch, num_warps=tile.num_warps, num_stages=tile.num_stages)
     if split:
         rbh = tile.reduce_block_h
         _sparse_mla_decode_reduce_kernel[(triton.cdiv(heads, rbh), tokens)](
@@ -509,7 +542,7 @@ _MAIN_SIG = {
     "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32",
     **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE", "HW_FP8",
                                 "DOT_FP32", "ALIGNED", "MAIN_BS", "EXTRA_BS", "BLOCK_H",
-                                "BLOCK_N")},
+                                "BLOCK_N", "PREFETCH")},
 }
 _REDUCE_SIG = {
     "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "sink_ptr": "*fp32",
@@ -536,7 +569,7 @@ def _register() -> None:
                 constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split, INV_ROPE=not split,
                                 HW_FP8=arch.VARIANTS[v].hw_fp8, DOT_FP32=False, ALIGNED=True,
                                 MAIN_BS=GATE_SWA_PAGE, EXTRA_BS=GATE_COMPRESSED_PAGE,
-                                BLOCK_H=t.block_h, BLOCK_N=t.block_n),
+                                BLOCK_H=t.block_h, BLOCK_N=t.block_n, PREFETCH=t.prefetch),
                 variants=(v,), num_warps=t.num_warps, num_stages=t.num_stages, feature=FEATURE))
         register(GateSpec(
             name=f"sparse_mla_decode.reduce[{v}]", kernel=_sparse_mla_decode_reduce_kernel,
