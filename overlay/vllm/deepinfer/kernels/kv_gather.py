@@ -53,17 +53,19 @@ class GatherTile:
     decode: str
 
 
-# Chosen on paper (no Ampere GPU; H200 numbers come from benchmarks/suites/kv_gather.py):
-# [8, 8, 64] over 128 threads is 32 values per thread (four 8-byte e4m3 loads, four 16-byte
-# bf16 stores), ~4.7 KB loaded per tile; at the 54-75 registers ptxas gives it (with the
-# runtime's 16-byte alignment hints) 6-9 CTAs fit per SM, 28-42 KB in flight — above
-# latency x per-SM bandwidth on A100 (~12 KB) and about H200's (~30 KB). Hopper tiles are
-# twice as tall with twice the warps (same per-thread work, half the per-tile overhead).
-# Ampere decodes with fp8.e4m3_to_f32_f16bits: fp8.e4m3_to_f32 spends ~13 integer ops and a
-# quarter-rate int->float conversion per value, enough to make the gather ALU-bound where
-# memory is fast (the H200 rows of benchmarks/suites/kv_gather.py time every decoder).
-_AMPERE_TILE = GatherTile(tokens=8, num_warps=4, programs_per_sm=32, decode="f16bits")
-_HW_FP8_TILE = GatherTile(tokens=16, num_warps=8, programs_per_sm=32, decode="hw")
+# Measured on the H200 (benchmarks/results/h200-2026-11-29-tile-sweep.json, GPU time from
+# CUDA graphs over input rings > 2x L2, 16K/48K/128K tokens): [16 tokens, 4 warps, 16
+# programs/SM] was best or within 2% of best for both decoders — hardware cvt 11.7/28.2/65.8 us
+# (53/66/75% of the 1 GiB copy bandwidth, 74/80/84% of a copy of the same bytes), e4b15
+# 12.0/28.4/65.8 us. The previous rows ([16, 8, 32] hw; [8, 4, 32] f16bits) were 1-14% slower.
+# [16, 8, 64] over 128 threads is 64 values per thread (eight 8-byte e4m3 loads, eight 16-byte
+# bf16 stores), ~9.3 KB loaded per tile. Ampere decodes with fp8.e4m3_to_f32_e4b15 (bytes as
+# Triton's fp8e4b15, exponent rebased by one multiply): on the H200 it beat f16bits by 5-12%
+# and the integer unpack by 7-15% in this tile; fp8.e4m3_to_f32 spends ~13 integer ops and a
+# quarter-rate int->float conversion per value. No Ampere GPU here: on an A100 (2.4x less
+# bandwidth per SM-cycle than the H200) the decoder costs relatively less, not more.
+_AMPERE_TILE = GatherTile(tokens=16, num_warps=4, programs_per_sm=16, decode="e4b15")
+_HW_FP8_TILE = GatherTile(tokens=16, num_warps=4, programs_per_sm=16, decode="hw")
 TILES: dict[str, GatherTile] = {
     "sm80": _AMPERE_TILE, "sm86": _AMPERE_TILE, "cpu": _AMPERE_TILE,
     "sm89": _HW_FP8_TILE, "sm90": _HW_FP8_TILE, "sm100": _HW_FP8_TILE,

@@ -81,7 +81,12 @@ class Tile:
     reduce_block_h: int = 8
     reduce_warps: int = 4
     # Load the next key tile's bytes before computing on the current one (register double
-    # buffering; Triton's own pipeliner does not stage these gathered loads).
+    # buffering; Triton's own pipeliner does not stage these gathered loads). Off everywhere:
+    # on the H200 (benchmarks/results/h200-2026-11-29-decode-tile-sweep.json, 64 heads,
+    # 512 + 128 keys) it made the sm90 tile 1.5-2.1x slower (batch 64: 95.7 vs 58.1 us; the
+    # [64, 512] fp32 accumulator already holds most registers) and the sm80 tile run there
+    # only 0-10% faster (batch 128: 365 vs 382 us), too little to risk spills on sm_80, whose
+    # build is at 255 registers already.
     prefetch: bool = False
 
 

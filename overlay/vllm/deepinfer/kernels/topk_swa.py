@@ -61,13 +61,16 @@ class CombineTile:
 
 
 # Keyed by variant; the first row whose max_width >= the row width is used. Each thread
-# moves 4 int32 per step (16-byte loads and stores), 512..1024 columns per program step: the
-# 640-wide V4.1/V4-C4A row is one 1024-column step of 4 warps (the masked tail costs
-# instructions, not memory traffic), the 8320-wide V4-C128A row nine steps. A 128-wide
-# SWA-only row is only 516 bytes of traffic, so four tokens share a program: one token per
-# program would leave each SM latency-bound at its resident-CTA limit (32). No fp8 and no
-# shared-memory staging, so Ampere and Hopper share the shapes (not tuned on hardware yet).
-_TILES = (CombineTile(128, 4, 128, 4), CombineTile(256, 2, 256, 4), CombineTile(512, 1, 512, 4),
+# moves 4 int32 per step (16-byte loads and stores). Measured on the H200
+# (benchmarks/results/h200-2026-11-29-tile-sweep.json, GPU time from CUDA graphs over input
+# rings > 2x L2): the 128-wide SWA-only row (516 bytes of traffic per token) wants many tokens
+# per program — 16 tokens x 128 columns took 9.6 us at T=32768 where 4 tokens took 12.8 and one
+# token per program 32-42 us (programs are too small to hide their launch); the 640-wide
+# V4.1/V4-C4A row is fastest as two tokens x 512 columns, two steps (13.2 us at T=8192, vs 13.8
+# for one token x 1024 with a masked tail); the 8320-wide V4-C128A row runs 1024-column steps.
+# The 256-wide row (window 256, SWA only) was not measured. No fp8 and no shared-memory
+# staging, so Ampere and Hopper share the rows.
+_TILES = (CombineTile(128, 16, 128, 4), CombineTile(256, 2, 256, 4), CombineTile(1024, 2, 512, 4),
           CombineTile(_INT32_MAX, 1, 1024, 4))
 TILES: dict[str, tuple[CombineTile, ...]] = {v: _TILES for v in arch.VARIANTS}
 
