@@ -1,0 +1,101 @@
+"""JIT warmup keys (vllm.deepinfer.warmup): derived from the model config, the same
+configurations the launchers pick, and — on a GPU — compiled so that a real launch of the
+model's shapes finds its kernel already built (no compile on the first request)."""
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+import torch
+
+from vllm.deepinfer import warmup as wu
+from vllm.deepinfer.kernels import kv_gather as kg
+from vllm.deepinfer.kernels import sparse_mla_decode as smd
+from vllm.deepinfer.kernels import topk_swa as ts
+
+
+def _config(tp=1, **hf):
+    base = dict(sliding_window=128, index_topk=512, num_attention_heads=64)
+    base.update(hf)
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(**base)),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp))
+
+
+def test_model_shapes_v41_and_v4():
+    v41 = wu.model_shapes(_config(compress_ratios=[0, 1, 2, 1, 0, 2]))
+    assert v41 == wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
+    v4 = wu.model_shapes(_config(tp=2, compress_rates={"c4a": 4, "c128a": 128},
+                                 layer_types=["swa", "c4a", "c128a", "c4a"]))
+    assert v4.compress_ratios == (0, 4, 128) and v4.heads == 32
+    with pytest.raises(ValueError, match="hf_config"):
+        wu.model_shapes(types.SimpleNamespace(model_config=None))
+
+
+@pytest.mark.parametrize("variant", ["sm80", "sm90"])
+def test_keys_are_the_launchers_configurations(variant):
+    shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
+    got = wu.keys(shapes, variant, features=["kv_gather", "topk_swa", "sparse_mla_decode"])
+    gather = [k for k in got if k.kernel == "kv_gather"]
+    assert {k.constexprs for k in gather} == {tuple(sorted(k.constexprs().items()))
+                                              for k in kg.compile_keys(variant)}
+    combine = [k for k in got if k.kernel == "topk_swa"]
+    assert {k.constexprs for k in combine} == {
+        tuple(sorted(k.constexprs().items())) for k in ts.compile_keys(128, [0, 1, 2], 512, variant)}
+    decode = [dict(k.constexprs) for k in got if k.kernel == "decode"]
+    tile = smd.TILES[variant]
+    assert {d["HAS_EXTRA"] for d in decode} == {False, True}   # ratio 0 and ratio > 0 layers
+    assert all(d["BLOCK_N"] == tile.block_n and d["MAIN_BS"] == wu.SWA_BLOCK for d in decode)
+    assert {d["EXTRA_BS"] for d in decode if d["HAS_EXTRA"]} == {64 if variant == "sm90" else 128}
+    unsplit = [k for k in got if k.kernel == "decode" and not dict(k.constexprs)["SPLIT"]]
+    assert all(k.ints_one == ("num_splits",) for k in unsplit)
+    assert any(k.kernel == "decode_reduce" for k in got)
+
+
+def test_env_switch_drops_a_feature(monkeypatch):
+    shapes = wu.ModelShapes(window=128, compress_ratios=(1,), topk=512, heads=64)
+    monkeypatch.setenv("DEEPINFER_DISABLE", "kv_gather")
+    names = {k.kernel for k in wu.keys(shapes, "sm80")}
+    assert "kv_gather" not in names and "topk_swa" in names
+
+
+def test_warmup_args_follow_the_signature():
+    shapes = wu.ModelShapes(window=128, compress_ratios=(1,), topk=512, heads=64)
+    for key in wu.keys(shapes, "sm80", features=["kv_gather", "topk_swa", "sparse_mla_decode"]):
+        args, constexprs = wu.warmup_args(key)
+        kernel, sig = wu._kernel_and_signature(key.kernel)
+        runtime = [n for n, t in sig.items() if t != "constexpr"]
+        assert len(args) == len(runtime)
+        assert set(constexprs) == {n for n, t in sig.items() if t == "constexpr"}
+        fn = getattr(kernel, "fn", kernel)  # the Python function (interpreter wraps it)
+        assert list(inspect.signature(fn).parameters) == list(sig)  # the table is the kernel's
+
+
+@pytest.mark.gpu
+def test_warmed_kernels_are_not_compiled_again_on_launch():
+    """Compile the gather and combiner keys of a V4.1 model, then launch both at model
+    shapes: Triton's cache for each kernel must not grow (the launch found its binary)."""
+    dev = torch.device("cuda")
+    variant = "sm90" if torch.cuda.get_device_capability() >= (8, 9) else "sm80"
+    shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
+    for key in wu.keys(shapes, variant, features=["kv_gather", "topk_swa"]):
+        wu.compile_key(key)
+
+    def cache_size(kernel):
+        return sum(len(c[0]) for c in kernel.device_caches.values())
+
+    before = (cache_size(kg._gather_kernel), cache_size(ts._combine_kernel))
+    bs, max_blocks = 64, 16 * 4
+    cache = torch.zeros(40, bs, 584, dtype=torch.uint8, device=dev)
+    out = torch.zeros(2, 256, 512, dtype=torch.bfloat16, device=dev)
+    seq = torch.tensor([200, 100], dtype=torch.int32, device=dev)
+    bt = torch.zeros(2, max_blocks, dtype=torch.int32, device=dev)
+    kg.dequantize_and_gather_k_cache(out, cache, seq, seq, bt, bs, 0, variant=variant)
+    topk = torch.zeros(64, 512, dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, 64], dtype=torch.int32, device=dev)
+    for ratio in (0, 1, 2):
+        ts.combine_topk_swa_indices(topk, qsl, seq[:1], seq[:1], 128, ratio,
+                                    512 if ratio else 0, 1000, 100, variant=variant)
+    torch.cuda.synchronize()
+    assert (cache_size(kg._gather_kernel), cache_size(ts._combine_kernel)) == before
