@@ -14,7 +14,7 @@ KERNELS  := $(BUILD)/upstream_kernels
 JOBS     ?= auto
 export DEEPINFER_BUILD := $(abspath $(BUILD))
 
-.PHONY: help venv upstream upstream-kernels combined combined-check overlay apply refresh \
+.PHONY: help venv upstream upstream-kernels patched combined combined-check overlay apply refresh \
         gate verify test bench charts clean
 
 help:
@@ -23,12 +23,17 @@ help:
 	@echo "make test     the whole test suite (CPU: Triton interpreter)"
 	@echo "make apply TREE=path/to/vllm-src    apply the series (all or nothing)"
 	@echo "make refresh TREE=path              regenerate the patches from an edited tree"
+	@echo "make patched  build/patched: the sdist with the series applied (tests/test_vllm_import.py)"
 	@echo "make combined | combined-check | overlay | gate | bench | charts"
 
-$(VENV)/.ok: requirements-test.txt
+# requirements-vllm-import.txt: the pure-Python packages importing the patched vLLM model
+# modules needs (never vLLM itself); torch==2.13.0 stays on the pip line so no CUDA torch
+# comes in.
+$(VENV)/.ok: requirements-test.txt requirements-vllm-import.txt
 	$(HOSTPY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -r requirements-test.txt
+	$(VENV)/bin/pip install -q torch==2.13.0 -r requirements-vllm-import.txt
 	touch $@
 
 venv: $(VENV)/.ok
@@ -61,7 +66,9 @@ refresh:
 gate: venv
 	env -u TRITON_INTERPRET PYTHONPATH=overlay $(PY) -m vllm.deepinfer.compile_gate --json $(BUILD)/gate.json
 
-# The patched tree: a scratch copy of the pristine sdist with the series applied.
+# The patched tree: a scratch copy of the pristine sdist with the series applied and our
+# package copied in as vllm/deepinfer; tests/test_vllm_import.py imports vLLM from it.
+patched: $(BUILD)/patched/.ok
 $(BUILD)/patched/.ok: $(UPSTREAM)/.git/HEAD $(wildcard patches/vllm-0.33.0/*) $(shell find overlay -name '*.py')
 	rm -rf $(BUILD)/patched
 	cp -r $(UPSTREAM) $(BUILD)/patched
@@ -75,7 +82,7 @@ verify: venv upstream-kernels $(BUILD)/patched/.ok combined-check overlay gate
 	DEEPINFER_REQUIRE_UPSTREAM=1 $(PY) -m pytest -q -n $(JOBS) $(wildcard $(EXACT_TESTS))
 	@echo "verify: OK (series applied, combined patch current, overlay built, gate and exactness passed)"
 
-test: venv upstream-kernels
+test: venv upstream-kernels $(BUILD)/patched/.ok
 	DEEPINFER_REQUIRE_UPSTREAM=1 $(PY) -m pytest -q -n $(JOBS) tests
 
 bench: upstream-kernels

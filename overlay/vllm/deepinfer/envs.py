@@ -27,6 +27,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("kv_gather", _ALL, "dequantize_and_gather_k_cache (584-byte records)"),
     Feature("topk_swa", _ALL, "combine_topk_swa_indices"),
     Feature("sparse_mla_decode", _ALL, "unified 512-dim sparse MLA decode"),
+    # Below capability 9.0 no upstream DeepSeek-V4.1/V4 attention class can run (FlashMLA
+    # sparse needs 9.x/10.x, FlashInfer sparse 10.x/12.x), hence on for sm89 too.
+    # vllm.deepinfer.attention.selector routes _select_dsv4_attn_cls on it.
     Feature("ampere_attn", _AMPERE | {"sm89"}, "Ampere DeepSeek-V4.1/V4 attention path"),
 )}
 
@@ -56,6 +59,25 @@ def enabled(feature: str, variant: str | None = None) -> bool:
             raise ValueError(f"DEEPINFER_{feature.upper()}={own!r}: expected 0 or 1")
         return val
     return variant in FEATURES[feature].default_on
+
+
+def explicit(feature: str) -> bool | None:
+    """What the environment itself says about ``feature``: True when ``DEEPINFER_<FEATURE>``
+    asks for it, False when that variable or ``DEEPINFER_DISABLE`` turns it off, None when
+    neither mentions it (the variant's default applies). Lets callers tell an explicit
+    request (e.g. ``DEEPINFER_AMPERE_ATTN=1`` on a Hopper GPU) from a default."""
+    if feature not in FEATURES:
+        raise KeyError(f"unknown deepinfer feature {feature!r}; known: {', '.join(FEATURES)}")
+    disabled = {s.strip().lower() for s in os.environ.get("DEEPINFER_DISABLE", "").split(",")}
+    if "all" in disabled or feature in disabled:
+        return False
+    own = os.environ.get(f"DEEPINFER_{feature.upper()}")
+    if own is None:
+        return None
+    val = _truthy(own)
+    if val is None:
+        raise ValueError(f"DEEPINFER_{feature.upper()}={own!r}: expected 0 or 1")
+    return val
 
 
 def summary(variant: str) -> str:

@@ -1,0 +1,156 @@
+"""DeepSeek-V4 attention on Ampere: ``DeepinferAmpereV4Attention``.
+
+The V4 twin of ``ampere_v41``: what ``models/deepseek_v4/nvidia/model.py::
+_select_dsv4_attn_cls`` gets below capability 9.0 (or with DEEPINFER_AMPERE_ATTN=1).
+Layers: compress ratio 1 (SWA only), 4 (C4A: indexer top-k 512) and 128 (C128A: top-k
+from the metadata builder). Ported from ``models/deepseek_v4/amd/rocm.py`` (not imported).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm.deepinfer.attention.common import (
+    AmpereAttentionMixin,
+    DeepinferAmpereSparseAttnIndexer,
+    NoTileSchedulerMixin,
+    not_implemented,
+)
+from vllm.forward_context import get_forward_context
+from vllm.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4Indexer
+from vllm.models.deepseek_v4.sparse_mla import (
+    DeepseekV4SparseMLABackend,
+    DeepseekV4SparseMLAMetadataBuilder,
+)
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backends.mla.sparse_swa import (
+    DeepseekSparseSWABackend,
+    DeepseekSparseSWAMetadataBuilder,
+)
+
+BACKEND_NAME = "DEEPINFER_AMPERE_SPARSE_DSV4"
+
+
+class DeepinferAmpereV4SparseSWAMetadataBuilder(NoTileSchedulerMixin,
+                                                DeepseekSparseSWAMetadataBuilder):
+    """V4 SWA metadata without FlashMLA tile plans (``get_mla_metadata`` never runs)."""
+
+
+class DeepinferAmpereV4SparseSWABackend(DeepseekSparseSWABackend):
+    @staticmethod
+    def get_builder_cls() -> type[DeepinferAmpereV4SparseSWAMetadataBuilder]:
+        return DeepinferAmpereV4SparseSWAMetadataBuilder
+
+
+class DeepinferAmpereV4MLASparseBackend(DeepseekV4SparseMLABackend):
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_builder_cls() -> type[DeepseekV4SparseMLAMetadataBuilder]:
+        return DeepseekV4SparseMLAMetadataBuilder
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return capability.major >= 8
+
+
+class DeepinferAmpereV4Indexer(DeepseekV4Indexer):
+    """V4 C4A indexer without DeepGEMM. Short contexts (every compressed token fits the
+    top-k) run upstream's own "select all" path; longer ones raise NotImplementedError
+    before the fp8 Q quant. The profile run skips the Q side and the indexer's
+    compressor, which would compile fp8e4nv Triton kernels (see docs/ampere-path.md)."""
+
+    def _get_attn_cls(self):
+        return DeepinferAmpereSparseAttnIndexer
+
+    def _register_q_quant_warmup(self) -> None:
+        # Upstream registers the fp8 (or MXFP4) Triton Q-quant warmup; it cannot compile
+        # below sm_89 and the Ampere path does not run it.
+        return None
+
+    def forward(self, hidden_states, qr, compressed_kv_score, indexer_weights, positions,
+                rotary_emb, qr_scale=None, skip_compressor: bool = False):
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict):
+            return None, None, None
+        im = attn_metadata[self.k_cache.prefix]
+        short = (im.max_seq_len // self.compress_ratio <= self.topk_tokens
+                 and not torch.cuda.is_current_stream_capturing())
+        if not short:
+            raise not_implemented(
+                "the V4 C4A sparse indexer without DeepGEMM for contexts longer than "
+                f"{self.topk_tokens} * {self.compress_ratio} tokens")
+        return super().forward(hidden_states, qr, compressed_kv_score, indexer_weights,
+                               positions, rotary_emb, qr_scale, skip_compressor)
+
+
+class DeepinferAmpereV4Attention(AmpereAttentionMixin, DeepseekV4Attention):
+    """DeepSeek-V4 sparse MLA attention for SM80/SM86 (and SM89; any GPU with
+    DEEPINFER_AMPERE_ATTN=1): 584-byte fp8_ds_mla records, ragged decode, bf16 o_proj."""
+
+    backend_cls = DeepinferAmpereV4MLASparseBackend
+    swa_backend_cls = DeepinferAmpereV4SparseSWABackend
+
+    def _get_indexer_cls(self, vllm_config):
+        return DeepinferAmpereV4Indexer
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ampere_init()
+
+    # ---- model-specific pieces of the shared forward ----------------------------------
+    def _swa_only(self) -> bool:
+        return self.compress_ratio <= 1
+
+    def _compressed_metadata(self, attn_metadata):
+        return attn_metadata.get(self.prefix)
+
+    def _compressed_cache(self):
+        return self.kv_cache
+
+    @staticmethod
+    def _cache_ops():
+        from vllm.models.deepseek_v4.common.ops import (
+            combine_topk_swa_indices,
+            dequantize_and_gather_k_cache,
+        )
+        return dequantize_and_gather_k_cache, combine_topk_swa_indices
+
+    def _decode_topk(self, swa_metadata, comp_metadata):
+        assert comp_metadata is not None
+        if self.compress_ratio == 128:
+            # C128A: global indices precomputed by the metadata builder.
+            return (comp_metadata.c128a_global_decode_topk_indices,
+                    comp_metadata.c128a_decode_topk_lens)
+        from vllm.models.deepseek_v4.common.ops import compute_global_topk_indices_and_lens
+        assert swa_metadata.is_valid_token is not None and self.topk_indices_buffer is not None
+        n, nd = swa_metadata.num_decode_tokens, swa_metadata.num_decodes
+        return compute_global_topk_indices_and_lens(
+            self.topk_indices_buffer[:n], swa_metadata.token_to_req_indices,
+            comp_metadata.block_table[:nd], comp_metadata.block_size // self.compress_ratio,
+            swa_metadata.is_valid_token[:n])
+
+    def _prefill_topk(self, swa_metadata, comp_metadata, nd_tok: int, n_pre: int,
+                      swa_only: bool):
+        assert self.topk_indices_buffer is not None
+        if swa_only:
+            return self.topk_indices_buffer[nd_tok:], 0
+        if self.compress_ratio == 4:
+            topk = self.topk_indices_buffer[nd_tok:][:n_pre]
+        else:
+            topk = comp_metadata.c128a_prefill_topk_indices
+        assert topk is not None
+        return topk, topk.shape[-1]
+
+    def _prefill_chunk_plan(self, swa_metadata, swa_only: bool):
+        return swa_metadata.get_prefill_chunk_plan(
+            compress_ratio=self.compress_ratio, prefill_chunk_size=self.PREFILL_CHUNK_SIZE)
+
+    def _combine_extra_args(self, swa_metadata, nd_tok: int, qs: int, qe: int):
+        left, right = swa_metadata.prefill_left_visible, swa_metadata.prefill_right_visible
+        return {
+            "max_image_tokens": self.max_image_tokens,
+            "left_visible": None if left is None else left[nd_tok + qs: nd_tok + qe],
+            "right_visible": None if right is None else right[nd_tok + qs: nd_tok + qe],
+        }

@@ -1,0 +1,158 @@
+"""DeepSeek-V4.1 attention on Ampere: ``DeepinferAmpereV41Attention``.
+
+What ``vllm.deepinfer.attention.selector`` returns from ``models/deepseek_v41/nvidia/
+model.py::_select_dsv4_attn_cls`` below capability 9.0 (or with DEEPINFER_AMPERE_ATTN=1).
+A ``DeepseekV4Attention`` (V4.1) subclass built from the ROCm Triton path's logic
+(``models/deepseek_v41/amd/rocm.py``, not imported); it constructs with FlashMLA,
+DeepGEMM and CuTeDSL all absent. See ``common`` for the shared forward and
+docs/ampere-path.md for what is and is not implemented.
+"""
+from __future__ import annotations
+
+from vllm.deepinfer import routing
+from vllm.deepinfer.attention.common import (
+    AmpereAttentionMixin,
+    DeepinferAmpereSparseAttnIndexer,
+    NoSparseMQAIndexer,
+    NoTileSchedulerMixin,
+    indexer_forward_q_guard,
+    not_implemented,
+)
+from vllm.forward_context import get_forward_context
+from vllm.models.deepseek_v41.attention import (
+    DeepseekV4Attention,
+    DeepseekV4Indexer,
+    DeepseekV4IndexerCache,
+)
+from vllm.models.deepseek_v41.sparse_mla import (
+    DeepseekV4SparseMLABackend,
+    DeepseekV4SparseMLAMetadataBuilder,
+    DeepseekV41SparseSWAMetadataBuilder,
+)
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
+
+BACKEND_NAME = "DEEPINFER_AMPERE_SPARSE_DSV41"
+
+
+class DeepinferAmpereV41SparseSWAMetadataBuilder(NoTileSchedulerMixin,
+                                                 DeepseekV41SparseSWAMetadataBuilder):
+    """V4.1 SWA metadata without FlashMLA tile plans (``get_mla_metadata`` never runs)."""
+
+
+class DeepinferAmpereV41SparseSWABackend(DeepseekSparseSWABackend):
+    @staticmethod
+    def get_builder_cls() -> type[DeepinferAmpereV41SparseSWAMetadataBuilder]:
+        return DeepinferAmpereV41SparseSWAMetadataBuilder
+
+
+class DeepinferAmpereV41MLASparseBackend(DeepseekV4SparseMLABackend):
+    """Compressed-KV backend of the Ampere path. Its metadata builder is upstream's
+    generic one (block table, compressed slot mapping): nothing FlashMLA-specific."""
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_builder_cls() -> type[DeepseekV4SparseMLAMetadataBuilder]:
+        return DeepseekV4SparseMLAMetadataBuilder
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return capability.major >= 8
+
+    @classmethod
+    def supports_pcp(cls) -> bool:
+        return False
+
+
+class DeepinferAmpereV41Indexer(DeepseekV4Indexer):
+    """V4.1 indexer without DeepGEMM: the index-K store goes through our fp8-free writer
+    (``kernels.fp8_writers_v41``) where the ``fp8_sw`` feature is on; scoring is
+    ``DeepinferAmpereSparseAttnIndexer`` (short contexts only, see there)."""
+
+    mqa_cls = NoSparseMQAIndexer
+    attn_cls = DeepinferAmpereSparseAttnIndexer
+
+    def _produce_k(self, latent, positions, rotary_emb) -> None:
+        attn_metadata = get_forward_context().attn_metadata
+        if not isinstance(attn_metadata, dict) or latent is None:
+            return
+        if not routing.use("fp8_sw"):
+            return super()._produce_k(latent, positions, rotary_emb)
+        from vllm.deepinfer.kernels.fp8_writers_v41 import indexer_k_norm_rope_store
+        assert self.owns_k
+        indexer_metadata = attn_metadata[self.k_cache.prefix]
+        k_pre, _ = self.wk(latent)
+        indexer_k_norm_rope_store(
+            k_pre, positions, rotary_emb.cos_sin_cache, self.k_norm.weight,
+            self.k_norm.variance_epsilon, self.k_cache.kv_cache,
+            indexer_metadata.slot_mapping, self.compress_ratio, self.use_fp4_kv)
+
+    def forward_q(self, qr, qr_scale, indexer_weights, positions, rotary_emb):
+        if not isinstance(get_forward_context().attn_metadata, dict):
+            # Profile run: the Q side only feeds the scoring op, which has nothing to do.
+            return None, None, None
+        indexer_forward_q_guard(self)
+        return super().forward_q(qr, qr_scale, indexer_weights, positions, rotary_emb)
+
+
+class DeepinferAmpereV41Attention(AmpereAttentionMixin, DeepseekV4Attention):
+    """DeepSeek-V4.1 sparse MLA attention for SM80/SM86 (and SM89; any GPU with
+    DEEPINFER_AMPERE_ATTN=1): 584-byte fp8_ds_mla records, ragged decode, bf16 o_proj."""
+
+    backend_cls = DeepinferAmpereV41MLASparseBackend
+    swa_backend_cls = DeepinferAmpereV41SparseSWABackend
+
+    def _indexer_cls(self, k_cache: DeepseekV4IndexerCache | None):
+        if k_cache is not None and getattr(k_cache, "rocm_mxfp4", False):
+            raise not_implemented("the ROCm MXFP4 indexer cache")
+        return DeepinferAmpereV41Indexer
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ampere_init()
+
+    # ---- model-specific pieces of the shared forward ----------------------------------
+    def _swa_only(self) -> bool:
+        return self.compress_ratio == 0
+
+    def _compressed_metadata(self, attn_metadata):
+        if self.compressed_cache_prefix is None:
+            return None
+        return attn_metadata.get(self.compressed_cache_prefix)
+
+    def _compressed_cache(self):
+        return self._compressed_kv_cache()
+
+    @staticmethod
+    def _cache_ops():
+        from vllm.models.deepseek_v41.common.ops import (
+            combine_topk_swa_indices,
+            dequantize_and_gather_k_cache,
+        )
+        return dequantize_and_gather_k_cache, combine_topk_swa_indices
+
+    def _decode_topk(self, swa_metadata, comp_metadata):
+        from vllm.models.deepseek_v41.common.ops import compute_global_topk_indices_and_lens
+        assert comp_metadata is not None and swa_metadata.is_valid_token is not None
+        assert self.topk_indices_buffer is not None
+        n, nd = swa_metadata.num_decode_tokens, swa_metadata.num_decodes
+        # NVIDIA V4.1 recomputes this per consumer layer; ROCm memoizes it per index
+        # source (_decode_topk_ragged). Memoizing is an open optimization here.
+        return compute_global_topk_indices_and_lens(
+            self.topk_indices_buffer[:n], swa_metadata.token_to_req_indices,
+            comp_metadata.block_table[:nd], comp_metadata.block_size // self.compress_ratio,
+            swa_metadata.is_valid_token[:n])
+
+    def _prefill_topk(self, swa_metadata, comp_metadata, nd_tok: int, n_pre: int,
+                      swa_only: bool):
+        assert self.topk_indices_buffer is not None
+        topk = self.topk_indices_buffer[nd_tok:][:n_pre]
+        return topk, (0 if swa_only else topk.shape[-1])
+
+    def _prefill_chunk_plan(self, swa_metadata, swa_only: bool):
+        return swa_metadata.get_prefill_chunk_plan(
+            compress_ratio=self.compress_ratio, prefill_chunk_size=self.PREFILL_CHUNK_SIZE,
+            has_compressed=not swa_only)

@@ -1,0 +1,335 @@
+"""The PATCHED vLLM 0.33.0 tree, imported on a CPU-only machine: attention routing of
+DeepSeek-V4.1/V4 (patches 0004/0005 + vllm.deepinfer.attention.selector) and the Ampere attention
+classes (vllm.deepinfer.attention.ampere_v41 / ampere_v4).
+
+vLLM is never imported into this pytest process. Each scenario of tests/vllm_import_probe.py
+runs once per test session in a subprocess with ``CUDA_VISIBLE_DEVICES=""`` and
+``PYTHONPATH=build/patched`` (the pristine sdist with the series applied and our package
+copied in as ``vllm/deepinfer``; ``make patched`` builds it), and the tests read its JSON.
+Under pytest-xdist the workers share one run per scenario (a file lock + cache keyed by
+the xdist run id).
+
+Needs the packages of requirements-vllm-import.txt (``make venv`` installs them). Without
+the tree or those packages the vLLM tests skip, naming what is missing; with
+DEEPINFER_REQUIRE_UPSTREAM=1 (set by ``make test``) they fail instead.
+"""
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from vllm.deepinfer import envs
+from vllm.deepinfer.attention import selector
+
+REPO = Path(__file__).resolve().parent.parent
+BUILD = Path(os.environ.get("DEEPINFER_BUILD", REPO / "build"))
+PATCHED = BUILD / "patched"
+PROBE = Path(__file__).with_name("vllm_import_probe.py")
+OVERLAY_PKG = REPO / "overlay" / "vllm" / "deepinfer"
+PATCH_DIR = REPO / "patches" / "vllm-0.33.0"
+REQUIRE = os.environ.get("DEEPINFER_REQUIRE_UPSTREAM") == "1"
+
+MODELS = ("deepseek_v41", "deepseek_v4")
+AMPERE = {"deepseek_v41": "DeepinferAmpereV41Attention", "deepseek_v4": "DeepinferAmpereV4Attention"}
+# Import names of requirements-vllm-import.txt (a missing one makes the vLLM tests skip).
+IMPORT_DEPS = ("regex", "pydantic", "cbor2", "zmq", "urllib3", "transformers", "aiohttp",
+               "requests", "openai_harmony", "openai", "PIL", "pybase64", "cachetools",
+               "msgspec", "uvloop", "cpuinfo", "prometheus_client", "xgrammar", "fastapi",
+               "partial_json_parser", "llguidance", "einops", "psutil", "cloudpickle",
+               "compressed_tensors")
+
+
+# --------------------------------------------------------------------------- availability
+def _stale_files() -> list[str]:
+    """Our package files whose copy in the patched tree differs, and patch files newer
+    than the tree."""
+    stale = []
+    tree_pkg = PATCHED / "vllm" / "deepinfer"
+    for p in sorted(OVERLAY_PKG.rglob("*.py")):
+        q = tree_pkg / p.relative_to(OVERLAY_PKG)
+        if not q.is_file() or q.read_bytes() != p.read_bytes():
+            stale.append(str(p.relative_to(REPO)))
+    ok_time = (PATCHED / ".ok").stat().st_mtime
+    stale += [str(p.relative_to(REPO)) for p in sorted(PATCH_DIR.iterdir())
+              if p.stat().st_mtime > ok_time]
+    return stale
+
+
+def _unavailable() -> str | None:
+    if not (PATCHED / ".ok").is_file():
+        return f"{PATCHED} missing: run `make patched` (needs `make upstream`)"
+    stale = _stale_files()
+    if stale:
+        return (f"{PATCHED} is older than {', '.join(stale[:4])}"
+                f"{' ...' if len(stale) > 4 else ''}: run `make patched`")
+    missing = [m for m in IMPORT_DEPS if importlib.util.find_spec(m) is None]
+    if missing:
+        return ("vLLM import dependencies missing (" + ", ".join(missing)
+                + "): pip install torch==2.13.0 -r requirements-vllm-import.txt (or `make venv`)")
+    return None
+
+
+def _need_tree() -> None:
+    why = _unavailable()
+    if why:
+        if REQUIRE:
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+# --------------------------------------------------------------------------- probe runs
+def _probe_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("DEEPINFER_") and k != "DEEPINFER_BUILD")
+           and k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(PATCHED), PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def _run_probe(scenario: str) -> dict:
+    r = subprocess.run([sys.executable, str(PROBE), scenario], env=_probe_env(), cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        pytest.fail(f"probe {scenario} failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def _probe(scenario: str) -> dict:
+    """One probe run per test session, shared by the xdist workers."""
+    _need_tree()
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    d = Path(tempfile.gettempdir()) / f"deepinfer-vllm-import-{run}"
+    d.mkdir(exist_ok=True)
+    out = d / f"{scenario}.json"
+    with open(d / f"{scenario}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_file():
+            res = _run_probe(scenario)
+            out.write_text(json.dumps(res))
+        res = json.loads(out.read_text())
+    scen = res.get("_scenario", {})
+    if not scen.get("ok", False):
+        pytest.fail(f"probe {scenario} crashed: {scen.get('error')}: {scen.get('message')}\n"
+                    f"{scen.get('trace', '')}")
+    return res
+
+
+@pytest.fixture(scope="module")
+def sel():
+    return _probe("selector")
+
+
+@pytest.fixture(scope="module")
+def built():
+    return _probe("construct")
+
+
+def _value(res: dict, key: str):
+    assert key in res, f"probe did not record {key}"
+    r = res[key]
+    assert r["ok"], f"{key}: {r['error']}: {r['message']}\n{r.get('trace', '')}"
+    return r["value"]
+
+
+def _error(res: dict, key: str) -> tuple[str, str]:
+    assert key in res, f"probe did not record {key}"
+    r = res[key]
+    assert not r["ok"], f"{key}: expected an error, got {r['value']!r}"
+    return r["error"], r["message"]
+
+
+# --------------------------------------------------------------------------- selector, pure
+# (selector.decide needs no vLLM: these run everywhere)
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in ("DEEPINFER_AMPERE_ATTN", "DEEPINFER_DISABLE", "DEEPINFER_ARCH"):
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 7), (8, 9)])
+def test_decide_ampere_below_9(clean_env, model, cap):
+    assert selector.decide(model, cap).ampere
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cap", [(9, 0), (10, 0), (10, 3), (12, 0), (7, 5), None])
+def test_decide_upstream_elsewhere(clean_env, model, cap):
+    assert not selector.decide(model, cap).ampere
+    clean_env.setenv("DEEPINFER_AMPERE_ATTN", "1")
+    # forced on: the Ampere path on every supported GPU; no device / pre-Ampere: upstream
+    assert selector.decide(model, cap).ampere == (cap is not None and cap >= (8, 0))
+
+
+def test_decide_explicit_backend_messages(clean_env):
+    with pytest.raises(selector.BackendUnavailableError,
+                       match=r"FLASHMLA_SPARSE_DSV41 cannot run on compute capability 8\.6"):
+        selector.decide("deepseek_v41", (8, 6), "FLASHMLA_SPARSE_DSV41", backend_runs=False)
+    assert not selector.decide("deepseek_v41", (9, 0), "FLASHMLA_SPARSE_DSV41",
+                               backend_runs=True).ampere
+    # a backend upstream's DeepSeek selector ignores changes nothing
+    assert selector.decide("deepseek_v4", (8, 0), "TRITON_MLA", backend_runs=True).ampere
+    clean_env.setenv("DEEPINFER_AMPERE_ATTN", "1")
+    with pytest.raises(ValueError, match="FLASHMLA_SPARSE_DSV4 was requested explicitly"):
+        selector.decide("deepseek_v4", (9, 0), "FLASHMLA_SPARSE_DSV4", backend_runs=True)
+
+
+def test_envs_explicit(clean_env):
+    assert envs.explicit("ampere_attn") is None
+    clean_env.setenv("DEEPINFER_AMPERE_ATTN", "1")
+    assert envs.explicit("ampere_attn") is True
+    clean_env.setenv("DEEPINFER_DISABLE", "all")
+    assert envs.explicit("ampere_attn") is False
+    clean_env.setenv("DEEPINFER_DISABLE", "")
+    clean_env.setenv("DEEPINFER_AMPERE_ATTN", "maybe")
+    with pytest.raises(ValueError, match="DEEPINFER_AMPERE_ATTN"):
+        envs.explicit("ampere_attn")
+
+
+# --------------------------------------------------------------------------- selector, in vLLM
+UPSTREAM_DEFAULT = {(9, 0): "DeepseekV4FlashMLAAttention",
+                    # mega attention declines without its kernel build: FlashMLA
+                    (10, 0): "DeepseekV4FlashMLAAttention",
+                    (12, 0): "DeepseekV4FlashInferSM120Attention"}
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cap", ["8.0", "8.6", "8.7", "8.9"])
+def test_patched_selector_routes_below_9_to_ampere(sel, model, cap):
+    assert _value(sel, f"{model}/{cap}/default") == AMPERE[model]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cap", sorted(UPSTREAM_DEFAULT))
+def test_patched_selector_keeps_upstream_choice(sel, model, cap):
+    key = f"{model}/{cap[0]}.{cap[1]}"
+    assert _value(sel, f"{key}/default") == UPSTREAM_DEFAULT[cap]
+    assert _value(sel, f"{key}/off") == UPSTREAM_DEFAULT[cap]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cap", ["8.0", "8.6", "8.9", "9.0", "10.0", "12.0"])
+def test_patched_selector_env_switch(sel, model, cap):
+    assert _value(sel, f"{model}/{cap}/on") == AMPERE[model]
+    if cap.startswith("8."):
+        # switched off below 9.0: upstream's (unrunnable) choice comes back, with a warning
+        assert _value(sel, f"{model}/{cap}/off") == "DeepseekV4FlashMLAAttention"
+        assert _value(sel, f"{model}/{cap}/disable_all") == "DeepseekV4FlashMLAAttention"
+
+
+IMPOSSIBLE = {"deepseek_v41": ("FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4", "FLASHMLA_SPARSE_DSV41",
+                               "FLASHINFER_MLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV41",
+                               "FLASHMLA_MEGA_ATTN_DSV41"),
+              "deepseek_v4": ("FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4",
+                              "FLASHINFER_MLA_SPARSE_DSV4")}
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cap", ["8.0", "8.6", "8.9"])
+def test_patched_selector_explicit_impossible_backend_fails(sel, model, cap):
+    for backend in IMPOSSIBLE[model]:
+        err, msg = _error(sel, f"{model}/{cap}/backend={backend}")
+        assert err == "BackendUnavailableError"
+        assert backend in msg and f"compute capability {cap}" in msg, msg
+
+
+@pytest.mark.parametrize("model,key,want", [
+    ("deepseek_v41", "9.0/backend=FLASHMLA_SPARSE_DSV41", "DeepseekV4FlashMLAAttention"),
+    ("deepseek_v41", "10.0/backend=FLASHMLA_MEGA_ATTN_DSV41", "DeepseekV4MegaAttnAttention"),
+    ("deepseek_v41", "10.0/backend=FLASHINFER_MLA_SPARSE_DSV41", "DeepseekV4FlashInferMLAAttention"),
+    ("deepseek_v4", "9.0/backend=FLASHMLA_SPARSE_DSV4", "DeepseekV4FlashMLAAttention"),
+    ("deepseek_v4", "12.0/backend=FLASHINFER_MLA_SPARSE_DSV4", "DeepseekV4FlashInferSM120Attention"),
+    # upstream's DeepSeek selectors ignore non-DeepSeek backends; so do we
+    ("deepseek_v41", "8.6/backend=TRITON_MLA", "DeepinferAmpereV41Attention"),
+    ("deepseek_v4", "8.0/backend=TRITON_MLA", "DeepinferAmpereV4Attention"),
+    ("deepseek_v4", "9.0/backend=TRITON_MLA", "DeepseekV4FlashMLAAttention"),
+])
+def test_patched_selector_explicit_runnable_backend_kept(sel, model, key, want):
+    assert _value(sel, f"{model}/{key}") == want
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_patched_selector_backend_and_env_conflict(sel, model):
+    err, msg = _error(sel, f"{model}/9.0/backend=FLASHMLA_SPARSE_DSV4+on")
+    assert err == "ValueError" and "DEEPINFER_AMPERE_ATTN=1" in msg and "FLASHMLA_SPARSE_DSV4" in msg
+
+
+def test_patched_selector_v41_pcp(sel):
+    err, msg = _error(sel, "deepseek_v41/8.0/pcp2")
+    assert err == "ValueError" and "prefill context parallelism" in msg and "8.0" in msg
+    assert _value(sel, "deepseek_v41/9.0/pcp2") == "DeepseekV4FlashMLAAttention"
+
+
+def test_patched_selector_no_device_or_pre_ampere(sel):
+    assert _value(sel, "deepseek_v41/none/default") == "DeepseekV4FlashMLAAttention"
+    assert _value(sel, "deepseek_v41/7.5/default") == "DeepseekV4FlashMLAAttention"
+
+
+# --------------------------------------------------------------------------- Ampere classes
+def test_probe_has_no_flashmla_deepgemm_cutedsl(built):
+    assert built["absent"] == {"deep_gemm": False, "cutedsl": False, "flashmla": False}
+
+
+LAYERS = {  # layer id -> (compress ratio, indexer?, compressor?)
+    "deepseek_v41": {0: (0, False, False), 1: (1, True, True), 2: (2, True, True),
+                     3: (1, False, False)},
+    "deepseek_v4": {0: (1, False, False), 1: (4, True, True), 2: (128, False, True)},
+}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_ampere_classes_construct(built, model):
+    for i, (ratio, has_indexer, has_compressor) in LAYERS[model].items():
+        v = _value(built, f"{model}/layer{i}")
+        assert v["class"] == AMPERE[model]
+        assert v["compress_ratio"] == ratio
+        assert v["padded_heads"] == 8  # no FlashMLA head padding
+        assert v["backend"] == ("DEEPINFER_AMPERE_SPARSE_DSV41" if model == "deepseek_v41"
+                                else "DEEPINFER_AMPERE_SPARSE_DSV4")
+        assert v["swa_builder"].startswith("DeepinferAmpere")  # never plans FlashMLA tiles
+        assert (v["indexer_op"] == "DeepinferAmpereSparseAttnIndexer") == has_indexer
+        assert v["has_compressor"] == has_compressor
+        assert v["wo_a_is_bmm"] is False
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_ampere_profile_run(built, model):
+    assert _value(built, f"{model}/profile_run_zeroes_output") is True
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_ampere_o_proj_bf16(built, model):
+    v = _value(built, f"{model}/o_proj")
+    assert v["cached_bf16"] and v["max_abs_err"] <= 0.02 * v["ref_scale"] + 1e-3, v
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_ampere_o_proj_fp8_wo_a_copied_before_repack(built, model):
+    v = _value(built, f"{model}/o_proj_fp8_wo_a")
+    assert v["refused_without_copy"] and "no bf16 copy" in v["refused_without_copy"]
+    assert v["max_abs_err"] <= 0.02 * v["ref_scale"] + 1e-3, v
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_ampere_decode_refuses_upstream_fp8_fallback(built, model):
+    v = _value(built, f"{model}/decode_without_our_kernel")
+    assert v["feature_on"] is True
+    for variant in ("cpu", "sm80"):
+        assert str(v[variant]).startswith("RuntimeError") and "sparse_mla_decode" in v[variant]
+    assert v["sm90"] is False  # hardware fp8: upstream's fallback, standalone inverse RoPE
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_ampere_indexer_scoring_not_implemented(built, model):
+    err, msg = _error(built, f"{model}/indexer_scoring")
+    assert err == "NotImplementedError" and "not implemented yet" in msg

@@ -1,0 +1,335 @@
+"""Probes that import the PATCHED vLLM 0.33.0 source tree (build/patched) on a CPU-only
+machine. Run by tests/test_vllm_import.py in a subprocess:
+
+    CUDA_VISIBLE_DEVICES= PYTHONPATH=build/patched python tests/vllm_import_probe.py SCENARIO
+
+and print one JSON object (the last stdout line). Not collected by pytest (no ``test_``
+prefix) and importing nothing from vLLM at module level, so the test process itself never
+imports vLLM. ``CUDA_VISIBLE_DEVICES=""`` matters: with a visible GPU driver missing,
+``vllm.triton_utils`` would swap in a placeholder Triton.
+
+Scenarios:
+    selector   _select_dsv4_attn_cls of both models under faked capabilities, env switches
+               and explicit backends
+    construct  the Ampere classes of both models built for real (tiny configs) with
+               FlashMLA, DeepGEMM and CuTeDSL absent, plus what their forward refuses
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from types import SimpleNamespace
+
+RESULTS: dict = {}
+
+
+def record(key: str, fn):
+    """Run ``fn``; store its value, or the exception type and message."""
+    try:
+        RESULTS[key] = {"ok": True, "value": fn()}
+    except BaseException as e:  # noqa: BLE001 - the probe reports everything
+        RESULTS[key] = {"ok": False, "error": type(e).__name__, "message": str(e),
+                        "trace": traceback.format_exc()[-3000:]}
+
+
+# --------------------------------------------------------------------------- platform
+def fake_capability(major: int | None, minor: int = 0) -> None:
+    """Make vLLM's current platform report a CUDA device of this capability."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+    cap = None if major is None else DeviceCapability(major, minor)
+    current_platform.get_device_capability = lambda device_id=0: cap  # type: ignore
+
+
+def set_env(**kv) -> None:
+    for k, v in kv.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+# --------------------------------------------------------------------------- selector
+def scenario_selector() -> None:
+    from vllm.models.deepseek_v4.nvidia import model as m4
+    from vllm.models.deepseek_v41.nvidia import model as m41
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    models = {"deepseek_v41": m41, "deepseek_v4": m4}
+
+    def cfg(backend=None, pcp=1):
+        return SimpleNamespace(
+            attention_config=SimpleNamespace(
+                backend=None if backend is None else AttentionBackendEnum[backend]),
+            parallel_config=SimpleNamespace(prefill_context_parallel_size=pcp,
+                                            tensor_parallel_size=1),
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(
+                num_attention_heads=64, o_groups=8)))
+
+    def pick(model, backend=None, pcp=1):
+        return models[model]._select_dsv4_attn_cls(cfg(backend, pcp)).__name__
+
+    caps = [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (12, 0)]
+    for model in models:
+        for cap in caps:
+            fake_capability(*cap)
+            for env in ("default", "on", "off", "disable_all"):
+                set_env(DEEPINFER_AMPERE_ATTN={"on": "1", "off": "0"}.get(env),
+                        DEEPINFER_DISABLE="all" if env == "disable_all" else None)
+                record(f"{model}/{cap[0]}.{cap[1]}/{env}", lambda: pick(model))
+            set_env(DEEPINFER_AMPERE_ATTN=None, DEEPINFER_DISABLE=None)
+            for b in ("FLASHMLA_SPARSE_DSV4", "FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE_DSV4",
+                      "FLASHMLA_SPARSE_DSV41", "FLASHINFER_MLA_SPARSE_DSV41",
+                      "FLASHMLA_MEGA_ATTN_DSV41", "TRITON_MLA"):
+                record(f"{model}/{cap[0]}.{cap[1]}/backend={b}", lambda: pick(model, b))
+            set_env(DEEPINFER_AMPERE_ATTN="1")
+            record(f"{model}/{cap[0]}.{cap[1]}/backend=FLASHMLA_SPARSE_DSV4+on",
+                   lambda: pick(model, "FLASHMLA_SPARSE_DSV4"))
+            set_env(DEEPINFER_AMPERE_ATTN=None)
+            record(f"{model}/{cap[0]}.{cap[1]}/pcp2", lambda: pick(model, pcp=2))
+    fake_capability(None)
+    record("deepseek_v41/none/default", lambda: pick("deepseek_v41"))
+    fake_capability(7, 5)
+    record("deepseek_v41/7.5/default", lambda: pick("deepseek_v41"))
+
+
+# --------------------------------------------------------------------------- construct
+def _hf_config(model: str):
+    common = dict(
+        hidden_size=256, num_attention_heads=8, q_lora_rank=128, o_lora_rank=128,
+        head_dim=512, qk_rope_head_dim=64, o_groups=2, sliding_window=128,
+        rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=10000.0,
+        compress_rope_theta=160000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        index_topk=64, index_n_heads=4, index_head_dim=128, hc_mult=4,
+    )
+    if model == "deepseek_v41":
+        return SimpleNamespace(
+            **common, num_hidden_layers=4, compress_ratios=[0, 1, 2, 1],
+            kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 2],
+            candidate_source_layer_id=-1, candidate_topk_blocks=0, candidate_block_size=0)
+    return SimpleNamespace(
+        **common, num_hidden_layers=3,
+        layer_types=["sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention"],
+        compress_rates={"sliding_attention": 0, "compressed_sparse_attention": 4,
+                        "heavily_compressed_attention": 128})
+
+
+def _vllm_config(model: str):
+    from vllm.config import DeviceConfig, VllmConfig
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    cfg.model_config = SimpleNamespace(hf_config=_hf_config(model), max_model_len=4096,
+                                       dtype="bfloat16")
+    cfg.cache_config.cache_dtype = "fp8_ds_mla"
+    # Set by VllmConfig's model-dependent post-init on a real model.
+    cfg.attention_config.sparse_mla_prefill_workspace_factor = 5
+    return cfg
+
+
+def _dist_init(tmpdir: str, vcfg) -> None:
+    """A one-process gloo group (file rendezvous: no network), TP = PP = 1."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    with set_current_vllm_config(vcfg):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"file://{tmpdir}/dist")
+        ps.ensure_model_parallel_initialized(1, 1)
+
+
+class _FakeEvent:
+    """torch.cuda.Event cannot be instantiated on a CPU-only torch; the layers only
+    create theirs at construction."""
+
+    def __init__(self, *a, **k):
+        pass
+
+
+def scenario_construct() -> None:
+    import tempfile
+
+    import torch
+    torch.cuda.Event = _FakeEvent  # type: ignore[misc]
+    # vLLM's workspace manager empties the accelerator cache when it grows.
+    torch.accelerator.empty_cache = lambda: None  # type: ignore[assignment]
+    from vllm.config import set_current_vllm_config
+    from vllm.utils import deep_gemm, import_utils
+    from vllm.v1.attention.ops import flashmla
+
+    fake_capability(8, 0)
+    from vllm.platforms import current_platform
+    current_platform.device_type = "cpu"  # V4's compressor allocates on it
+    RESULTS["absent"] = {
+        "deep_gemm": bool(deep_gemm.has_deep_gemm()),
+        "cutedsl": bool(import_utils.has_cutedsl()),
+        "flashmla": bool(flashmla._is_flashmla_available()[0]),
+    }
+    tmp = tempfile.mkdtemp(prefix="deepinfer-probe-")
+    from vllm.config import DeviceConfig, VllmConfig
+    _dist_init(tmp, VllmConfig(device_config=DeviceConfig(device="cpu")))
+    torch.set_default_dtype(torch.bfloat16)
+
+    layers = {"deepseek_v41": [0, 1, 2, 3], "deepseek_v4": [0, 1, 2]}
+    for model, ids in layers.items():
+        from vllm.deepinfer.attention import selector
+        cls = selector.ampere_class(model)
+        vcfg = _vllm_config(model)
+        built = {}
+        with set_current_vllm_config(vcfg):
+            topk = torch.full((64, 64), -1, dtype=torch.int32)
+            for i in ids:
+                prefix = f"model.layers.{i}.attn"
+
+                def make(i=i, prefix=prefix):
+                    kw = dict(topk_indices_buffer=topk, aux_stream_list=None)
+                    layer = cls(vcfg, prefix=prefix, **kw)
+                    built[i] = layer
+                    return {
+                        "class": type(layer).__name__,
+                        "compress_ratio": layer.compress_ratio,
+                        "padded_heads": layer.padded_heads,
+                        "backend": layer.get_attn_backend().get_name(),
+                        "swa_builder": layer.swa_cache_layer.get_attn_backend()
+                        .get_builder_cls().__name__,
+                        "indexer": None if layer.indexer is None else type(layer.indexer).__name__,
+                        "indexer_op": None if layer.indexer is None
+                        else type(layer.indexer.indexer_op).__name__,
+                        "has_compressor": layer.compressor is not None,
+                        "wo_a_is_bmm": bool(getattr(layer.wo_a, "is_bmm", False)),
+                    }
+                record(f"{model}/layer{i}", make)
+        RESULTS[f"{model}/built"] = sorted(built)
+        if built:
+            _forward_checks(model, built, vcfg)
+
+
+def _forward_checks(model: str, built: dict, vcfg) -> None:
+    """What the constructed layers do without a GPU: the profile run (no metadata) and
+    the o_proj run; real metadata reaches kernels, which need a GPU (or are not
+    implemented: the indexer scoring, checked here)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    layer = built[max(built)]
+    n = 3
+    q = torch.randn(n, layer.padded_heads, layer.head_dim, dtype=torch.bfloat16)
+    out = torch.full_like(q, 7.0)
+    positions = torch.arange(n, dtype=torch.int64)
+    ctx = ForwardContext(no_compile_layers={}, attn_metadata=None, slot_mapping={})
+
+    def profile_run():
+        from vllm.v1.worker.workspace import init_workspace_manager
+        try:
+            init_workspace_manager(torch.device("cpu"))
+        except Exception:  # already initialised
+            pass
+        with set_current_vllm_config(vcfg), override_forward_context(ctx):
+            layer.forward_mqa(q, None, positions, out)
+        return bool((out == 0).all())
+    record(f"{model}/profile_run_zeroes_output", profile_run)
+
+    def o_proj():
+        torch.nn.init.normal_(layer.wo_a.weight, std=0.02)
+        torch.nn.init.normal_(layer.wo_b.weight, std=0.02)
+        layer.wo_a.quant_method.process_weights_after_loading(layer.wo_a)
+        attn = torch.randn(n, layer.padded_heads, layer.head_dim, dtype=torch.bfloat16)
+        with set_current_vllm_config(vcfg):
+            y = layer._o_proj(attn, positions)
+        # reference: per-group einsum against wo_a, then wo_b
+        g, r = layer.n_local_groups, layer.o_lora_rank
+        w = layer.wo_a.weight.view(g, r, -1).float()
+        z = torch.einsum("tgd,grd->tgr", attn[:, :layer.n_local_heads].reshape(n, g, -1).float(), w)
+        ref = z.flatten(1) @ layer.wo_b.weight.float().t()
+        return {"shape": list(y.shape),
+                "max_abs_err": float((y.float() - ref).abs().max()),
+                "ref_scale": float(ref.abs().max()),
+                "cached_bf16": getattr(layer.wo_a, "_dsv4_wo_a_bf16", None) is not None}
+    record(f"{model}/o_proj", o_proj)
+
+    def wo_a_fp8_survives_repack():
+        """fp8 wo_a with 128x128 block scales: the bf16 copy is made from the weights as
+        loaded, so a post-load repack (here: zeroing) cannot corrupt the o_proj; without
+        the copy the layer refuses to read the fp8 weight."""
+        from vllm.deepinfer.attention.common import wo_a_bf16
+        g, r = layer.n_local_groups, layer.o_lora_rank
+        k = layer.n_local_heads * layer.head_dim // g
+        torch.manual_seed(0)
+        w = torch.randn(g * r, k, dtype=torch.float32) * 0.05
+        scale = torch.rand(g * r // 128, k // 128) + 0.5
+        big = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        w8 = (w / big).to(torch.float8_e4m3fn)
+        wo_a = layer.wo_a
+        wo_a.weight = torch.nn.Parameter(w8.clone(), requires_grad=False)
+        wo_a.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
+        if hasattr(wo_a, "_dsv4_wo_a_bf16"):
+            del wo_a._dsv4_wo_a_bf16
+        try:
+            wo_a_bf16(layer)
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        wo_a.quant_method.process_weights_after_loading(wo_a)
+        wo_a.weight.data.view(torch.uint8).zero_()  # a "repack" after the copy was taken
+        attn = torch.randn(n, layer.padded_heads, layer.head_dim, dtype=torch.bfloat16)
+        with set_current_vllm_config(vcfg):
+            y = layer._o_proj(attn, positions)
+        deq = (w8.float() * big).view(g, r, k)
+        z = torch.einsum("tgd,grd->tgr", attn[:, :layer.n_local_heads].reshape(n, g, -1).float(),
+                         deq)
+        ref = z.flatten(1) @ layer.wo_b.weight.float().t()
+        return {"refused_without_copy": refused,
+                "max_abs_err": float((y.float() - ref).abs().max()),
+                "ref_scale": float(ref.abs().max())}
+    record(f"{model}/o_proj_fp8_wo_a", wo_a_fp8_survives_repack)
+
+    def decode_needs_our_kernel():
+        from vllm.deepinfer import routing
+        os.environ["DEEPINFER_SPARSE_MLA_DECODE"] = "0"
+        routing.reset()
+        out = {}
+        try:
+            for v in ("cpu", "sm80", "sm90"):
+                layer._ampere_variant = v
+                try:
+                    out[v] = layer._decode_fuses_inv_rope()
+                except RuntimeError as e:
+                    out[v] = "RuntimeError: " + str(e)
+        finally:
+            os.environ.pop("DEEPINFER_SPARSE_MLA_DECODE")
+            routing.reset()
+            layer._ampere_variant = layer._resolve_variant()
+        out["feature_on"] = layer._decode_fuses_inv_rope()
+        return out
+    record(f"{model}/decode_without_our_kernel", decode_needs_our_kernel)
+
+    if layer.indexer is not None or any(b.indexer is not None for b in built.values()):
+        idx_layer = next(b for b in built.values() if b.indexer is not None)
+
+        def scoring_refuses():
+            md = {idx_layer.indexer.k_cache.prefix: SimpleNamespace()}
+            c = ForwardContext(no_compile_layers={}, attn_metadata=md, slot_mapping={})
+            with set_current_vllm_config(vcfg), override_forward_context(c):
+                idx_layer.indexer.indexer_op(torch.zeros(n, 8), torch.zeros(n, 4, 128), None,
+                                             torch.zeros(n, 4))
+            return "no error"
+        record(f"{model}/indexer_scoring", scoring_refuses)
+
+
+SCENARIOS = {"selector": scenario_selector, "construct": scenario_construct}
+
+
+def main() -> int:
+    name = sys.argv[1]
+    import time
+    t0 = time.perf_counter()
+    record("_scenario", SCENARIOS[name])
+    RESULTS["_seconds"] = round(time.perf_counter() - t0, 2)
+    sys.stdout.write("\n" + json.dumps(RESULTS) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
