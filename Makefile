@@ -76,7 +76,8 @@ $(BUILD)/patched/.ok: $(UPSTREAM)/.git/HEAD $(wildcard patches/vllm-0.33.0/*) $(
 	touch $@
 
 EXACT_TESTS := tests/test_fp8.py tests/test_kv_gather.py tests/test_topk_swa.py \
-               tests/test_sparse_mla_decode.py tests/test_fp8_writers.py
+               tests/test_sparse_mla_decode.py tests/test_fp8_writers.py \
+               tests/test_fp8_writers_v4_compress.py
 
 verify: venv upstream-kernels $(BUILD)/patched/.ok combined-check overlay gate
 	DEEPINFER_REQUIRE_UPSTREAM=1 $(PY) -m pytest -q -n $(JOBS) $(wildcard $(EXACT_TESTS))

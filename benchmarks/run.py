@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, Harness  # noqa: E402
 
-SUITES = ["topk_swa", "kv_gather", "fp8", "fp8_writers", "sparse_mla_decode"]
+SUITES = ["topk_swa", "kv_gather", "fp8", "fp8_writers", "fp8_writers_v4_compress",
+          "sparse_mla_decode"]
 
 
 def main(argv=None) -> int:

@@ -333,3 +333,40 @@ def test_ampere_decode_refuses_upstream_fp8_fallback(built, model):
 def test_ampere_indexer_scoring_not_implemented(built, model):
     err, msg = _error(built, f"{model}/indexer_scoring")
     assert err == "NotImplementedError" and "not implemented yet" in msg
+
+
+# --------------------------------------------------------------------------- fp8 writers
+@pytest.fixture(scope="module")
+def writers():
+    return _probe("writers")
+
+
+@pytest.mark.parametrize("key", ["v41_rope_quant_insert", "v41_indexer_k_store"])
+def test_patched_v41_writers_route_to_ours(writers, key):
+    # The patched upstream function, called on sm80 (interpreter), wrote exactly the bytes
+    # our fp8-free writer writes (and something was written).
+    got = _value(writers, f"writers.{key}")
+    assert got == {"same": True, "written": True}
+
+
+@pytest.mark.parametrize("key", ["v4_indexer_q", "v4_inv_rope"])
+def test_patched_v4_writers_route_to_ours(writers, key):
+    assert _value(writers, f"writers.{key}")["same"] is True
+
+
+def test_patched_v4_compressor_launcher_passes_every_argument(writers):
+    got = _value(writers, "writers.v4_compressor_launcher")
+    assert len(got["passed"]) == 23 and got["mx_scale"] is False  # 22 upstream args + mx_scale
+
+
+def test_has_cutedsl_gated_below_8_9(writers):
+    # With the cutlass package "present", CuTeDSL counts only from capability 8.9.
+    assert _value(writers, "writers.has_cutedsl") == {"8.0": False, "8.6": False,
+                                                      "8.9": True, "9.0": True}
+
+
+def test_deepinfer_kernels_register_with_vllm_jit_warmup(writers):
+    got = _value(writers, "writers.warmup")
+    assert got["registered"] is True and got["entries"] == 1  # two layers, one registration
+    assert got["kernels"] == ["decode", "decode_reduce", "kv_gather", "topk_swa"]
+    assert got["keys"] > 0

@@ -13,6 +13,8 @@ Scenarios:
                and explicit backends
     construct  the Ampere classes of both models built for real (tiny configs) with
                FlashMLA, DeepGEMM and CuTeDSL absent, plus what their forward refuses
+    writers    the patched upstream fp8 writers routed to ours on sm80 (interpreter), the
+               has_cutedsl capability gate, our JIT warmup registration
 """
 from __future__ import annotations
 
@@ -318,7 +320,144 @@ def _forward_checks(model: str, built: dict, vcfg) -> None:
         record(f"{model}/indexer_scoring", scoring_refuses)
 
 
-SCENARIOS = {"selector": scenario_selector, "construct": scenario_construct}
+# --------------------------------------------------------------------------- writers
+def scenario_writers() -> None:
+    """The patched upstream fp8 writers hand their calls to ours on sm80 (interpreter, CPU
+    tensors): same bytes as calling our writer directly; the CuTeDSL gate; the JIT warmup
+    registration."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["DEEPINFER_ARCH"] = "sm80"
+    import torch
+
+    from vllm.deepinfer import arch, routing
+    from vllm.deepinfer import kv_record as rec
+    from vllm.deepinfer.kernels import fp8_writers_v4 as ours4
+    from vllm.deepinfer.kernels import fp8_writers_v41 as ours41
+    routing.reset()
+    g = torch.Generator().manual_seed(3)
+
+    def same(a, b):
+        return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+    def cos_sin(n):
+        ang = torch.rand(n, 32, generator=g) * 6.3
+        return torch.cat([ang.cos(), ang.sin()], 1).contiguous()
+
+    def v41_insert():
+        from vllm.models.deepseek_v41.common.ops import fused_compress_quant_cache as up
+        n = 12
+        latent = (torch.randn(n, 512, generator=g) * 4).to(torch.bfloat16)
+        pos = torch.arange(n, dtype=torch.int64)
+        slots = torch.arange(n, dtype=torch.int64)
+        cs = cos_sin(64)
+        a, b = rec.new_cache(2, 16), rec.new_cache(2, 16)
+        up.rope_quant_insert(latent, pos, cs, a, slots, 1)
+        ours41.rope_quant_insert(latent, pos, cs, b, slots, 1, variant="sm80")
+        return {"same": same(a, b), "written": bool(a.any())}
+
+    def v41_indexer_k():
+        from vllm.models.deepseek_v41.common.ops import indexer_k_store as up
+        n = 10
+        k = torch.randn(n, 128, generator=g).to(torch.bfloat16)
+        w = torch.ones(128, dtype=torch.bfloat16)
+        pos = torch.arange(n, dtype=torch.int64)
+        slots = torch.arange(n, dtype=torch.int64)
+        cs = cos_sin(64)
+        a = torch.zeros(2, 8, 132, dtype=torch.uint8)
+        b = a.clone()
+        up.indexer_k_norm_rope_store(k, pos, cs, w, 1e-6, a, slots, 1, False)
+        ours41.indexer_k_norm_rope_store(k, pos, cs, w, 1e-6, b, slots, 1, False, variant="sm80")
+        return {"same": same(a, b), "written": bool(a.any())}
+
+    def v4_indexer_q():
+        from vllm.models.deepseek_v4.common.ops import fused_indexer_q as up
+        t, h = 4, 4
+        q = torch.randn(t, h, 128, generator=g).to(torch.bfloat16)
+        pos = torch.arange(t, dtype=torch.int64)
+        cs = cos_sin(16)
+        w = torch.randn(t, h, generator=g).to(torch.bfloat16)
+        qa, wa = up.fused_indexer_q_rope_quant(pos, q, cs, w, 0.1, 0.5)
+        qb, wb = ours4.fused_indexer_q_rope_quant(pos, q, cs, w, 0.1, 0.5, variant="sm80")
+        return {"same": same(qa, qb) and same(wa, wb)}
+
+    def v4_inv_rope():
+        import importlib  # (the ops package re-exports a function under the module's name)
+        up = importlib.import_module("vllm.models.deepseek_v4.common.ops.fused_inv_rope_fp8_quant")
+        t, groups, hpg = 3, 2, 2
+        o = torch.randn(t, groups * hpg, 512, generator=g).to(torch.bfloat16)
+        pos = torch.arange(t, dtype=torch.int64)
+        cs = cos_sin(16)
+        # The custom op's body (the function the patch routes), called as the op calls it.
+        d, blocks = hpg * 512, hpg * 512 // 128
+        out_a, sc_a = up._fused_inv_rope_fp8_quant_kernel_impl(
+            o, pos, cs, hpg, 128, 4, 448, 32, False, 448.0, 4, t, groups, d, blocks, True)
+        out_b, sc_b = ours4.fused_inv_rope_fp8_quant(o, pos, cs, groups, hpg, variant="sm80")
+        return {"same": same(out_a, out_b.transpose(0, 1)) and same(sc_a, sc_b.transpose(0, 1)),
+                "shape": list(out_a.shape)}
+
+    def v4_compressor_launcher():
+        from vllm.models.deepseek_v4.common.ops import fused_compress_quant_cache as up
+        seen = {}
+        orig = routing.compress_norm_rope_store
+        routing.compress_norm_rope_store = lambda **kw: seen.update(kw) or True
+        try:
+            names = ["state_cache", "num_actual", "token_to_req_indices", "positions",
+                     "slot_mapping", "block_table", "block_size", "state_width",
+                     "cos_sin_cache", "kv_cache", "k_cache_metadata", "pdl_kwargs", "head_dim",
+                     "rope_head_dim", "compress_ratio", "overlap", "use_fp4_cache",
+                     "rms_norm_weight", "rms_norm_eps", "quant_block", "token_stride",
+                     "scale_dim"]
+            args = {n: i for i, n in enumerate(names)}
+            args["use_fp4_cache"] = False
+            up.compress_norm_rope_store_triton(**args)
+        finally:
+            routing.compress_norm_rope_store = orig
+        return {"passed": sorted(k for k in seen if seen[k] == args.get(k, seen[k])),
+                "mx_scale": seen.get("mx_scale")}
+
+    def cutedsl_gate():
+        from vllm.utils import import_utils
+        orig_mod, orig_cap = import_utils._has_module, arch.device_capability
+        import_utils._has_module = lambda name: True
+        out = {}
+        try:
+            for cap in ((8, 0), (8, 6), (8, 9), (9, 0)):
+                arch.device_capability = lambda cap=cap: cap
+                routing.cutedsl_allowed.cache_clear()
+                out[f"{cap[0]}.{cap[1]}"] = import_utils.has_cutedsl()
+        finally:
+            import_utils._has_module, arch.device_capability = orig_mod, orig_cap
+            routing.cutedsl_allowed.cache_clear()
+        return out
+
+    def warmup_registration():
+        from vllm.deepinfer import warmup
+        from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+        cfg = SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(
+                compress_ratios=[0, 1, 2], sliding_window=128, index_topk=512,
+                num_attention_heads=64)),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1))
+        reg = JitWarmupRegistry(cfg)
+        with reg.activate():
+            ok = warmup.register_with_vllm()
+            warmup.register_with_vllm()  # a second layer: deduplicated
+        kernel = warmup._vllm_kernel()
+        keys = kernel.get_warmup_keys(cfg)
+        return {"registered": ok, "entries": len(reg),
+                "kernels": sorted({k.kernel for k in keys}), "keys": len(keys)}
+
+    record("writers.v41_rope_quant_insert", v41_insert)
+    record("writers.v41_indexer_k_store", v41_indexer_k)
+    record("writers.v4_indexer_q", v4_indexer_q)
+    record("writers.v4_inv_rope", v4_inv_rope)
+    record("writers.v4_compressor_launcher", v4_compressor_launcher)
+    record("writers.has_cutedsl", cutedsl_gate)
+    record("writers.warmup", warmup_registration)
+
+
+SCENARIOS = {"selector": scenario_selector, "construct": scenario_construct,
+             "writers": scenario_writers}
 
 
 def main() -> int:

@@ -90,3 +90,70 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
                 rope_head_dim, extra_cache=extra_cache, extra_indices=extra_indices,
                 extra_indptr=extra_indptr, out=out, inv_rope_positions=inv_rope_positions,
                 inv_rope_cos_sin_cache=inv_rope_cos_sin_cache)
+
+
+# ----------------------------------------------------------------------------- fp8 writers
+# Upstream's fp8 writers (Triton kernels that cast to float8_e4m3fn) do not compile below
+# sm_89. With the ``fp8_sw`` feature on (default: sm80/sm86) each upstream writer function
+# hands its call to our fp8-free variant here, which writes the same bytes; False/None
+# means the upstream body runs.
+def fp8_writers() -> bool:
+    return torch.version.hip is None and use("fp8_sw")
+
+
+def rope_quant_insert(latent, positions, cos_sin_cache, kv_cache, slot_mapping,
+                      compress_ratio: int, fp8_scale=None) -> bool:
+    """V4.1 compressed-KV insert into the 584-byte record cache (the other record layouts
+    and the plain FlashInfer rows stay upstream's)."""
+    if (fp8_scale is not None or kv_cache.dtype != torch.uint8
+            or kv_cache.shape[-1] != RECORD_BYTES or not fp8_writers()):
+        return False
+    from vllm.deepinfer.kernels.fp8_writers_v41 import rope_quant_insert as ours
+    ours(latent, positions, cos_sin_cache, kv_cache, slot_mapping, compress_ratio)
+    return True
+
+
+def indexer_k_norm_rope_store(k_pre, positions, cos_sin_cache, rms_norm_weight, rms_norm_eps,
+                              k_cache, kv_slot_mapping, compress_ratio: int,
+                              use_fp4_cache: bool, *, mx_scale: bool) -> bool:
+    """V4.1 indexer K store, FP8 cache (the MXFP4 cache needs the sm_100 e2m1 cvt)."""
+    if use_fp4_cache or not fp8_writers():
+        return False
+    from vllm.deepinfer.kernels.fp8_writers_v41 import indexer_k_norm_rope_store as ours
+    ours(k_pre, positions, cos_sin_cache, rms_norm_weight, rms_norm_eps, k_cache,
+         kv_slot_mapping, compress_ratio, use_fp4_cache, mx_scale=mx_scale)
+    return True
+
+
+def compress_norm_rope_store(**kwargs) -> bool:
+    """V4 compressor's Triton launcher (``compress_norm_rope_store_triton``'s keywords, plus
+    ``mx_scale``): the 584-byte attention record and the FP8 indexer row."""
+    if kwargs.get("use_fp4_cache") or not fp8_writers():
+        return False
+    from vllm.deepinfer.kernels.fp8_writers_v4_compress import compress_norm_rope_store_triton
+    compress_norm_rope_store_triton(**kwargs)
+    return True
+
+
+def fused_inv_rope_fp8_quant(o, positions, cos_sin_cache, n_groups: int, heads_per_group: int,
+                             nope_dim: int, rope_dim: int, quant_group_size: int,
+                             tma_aligned_scales: bool, quantize: bool):
+    """V4 inverse RoPE + fp8 quant: (out [T, G, D], scales) as upstream returns, or None."""
+    if not fp8_writers():
+        return None
+    from vllm.deepinfer.kernels.fp8_writers_v4 import fused_inv_rope_fp8_quant as ours
+    return ours(o, positions, cos_sin_cache, n_groups, heads_per_group, nope_dim, rope_dim,
+                quant_group_size, tma_aligned_scales, quantize)
+
+
+def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_weights,
+                               index_weights_softmax_scale: float,
+                               index_weights_head_scale: float, use_fp4: bool,
+                               weights_out_dtype):
+    """V4 indexer Q RoPE + fp8 quant with the scale folded into the weights, or None (the
+    MXFP4 Q needs the sm_100 e2m1 cvt)."""
+    if use_fp4 or not fp8_writers():
+        return None
+    from vllm.deepinfer.kernels.fp8_writers_v4 import fused_indexer_q_rope_quant as ours
+    return ours(positions, index_q, index_q_cos_sin_cache, index_weights,
+                index_weights_softmax_scale, index_weights_head_scale, False, weights_out_dtype)
