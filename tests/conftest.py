@@ -59,3 +59,31 @@ def upstream():
             pytest.fail(msg)
         pytest.skip(msg)
     return importlib.import_module("upstream_kernels")
+
+
+@pytest.fixture(scope="module")
+def exact_hw_fp8_cast():
+    """Under the interpreter, replace its fp32 -> fp8e4nv conversion (round half up without
+    carry into the exponent, no saturation) with what ``cvt.rn.satfinite.e4m3x2.f32`` does:
+    round to nearest even, saturate to +-448, NaN -> 0x7F (computed by torch). Upstream's
+    kernels and our hardware-cast variants run through it; our software cast never does. On a
+    GPU nothing is replaced. Modules opt in with ``pytestmark = usefixtures(...)``."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+    orig = interpreter._convert_float
+
+    def convert(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.float8e4nv:
+            x = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+            q = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+            q[x.isnan()] = 0x7F  # cvt.satfinite gives the canonical NaN 0x7F
+            return q.numpy()
+        return orig(data, src, dst, rounding_mode)
+
+    interpreter._convert_float = convert
+    yield
+    interpreter._convert_float = orig

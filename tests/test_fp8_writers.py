@@ -66,32 +66,7 @@ def _cos_sin(max_pos: int, rope: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat([ang.cos(), ang.sin()], dim=1).float().contiguous()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def exact_hw_fp8_cast():
-    if not triton_interpreting():
-        yield
-        return
-    from triton.runtime import interpreter
-    import numpy as np
-    import triton.language as tl
-    orig = interpreter._convert_float
-
-    def convert(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.float8e4nv:
-            x = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
-            q = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-            q[x.isnan()] = 0x7F  # cvt.satfinite gives the canonical NaN 0x7F
-            return q.numpy()
-        return orig(data, src, dst, rounding_mode)
-
-    interpreter._convert_float = convert
-    yield
-    interpreter._convert_float = orig
-
-
-def triton_interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+pytestmark = pytest.mark.usefixtures("exact_hw_fp8_cast")  # conftest.py
 
 
 @pytest.fixture(scope="module")

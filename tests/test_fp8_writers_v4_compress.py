@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -45,10 +44,6 @@ H512, H128, ROPE = 512, 128, 64
 ROW512, ROW128 = rec.RECORD_BYTES, H128 + 4
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _has_fp8(device) -> bool:
     return torch.device(device).type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -57,27 +52,7 @@ def _variants(device) -> tuple[str, ...]:
     return ("sm80", "sm90") if _has_fp8(device) else ("sm80",)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def exact_hw_fp8_cast():
-    if not _interpreting():
-        yield
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-    orig = interpreter._convert_float
-
-    def convert(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.float8e4nv:
-            x = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
-            q = x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-            q[x.isnan()] = 0x7F  # cvt.satfinite's canonical NaN
-            return q.numpy()
-        return orig(data, src, dst, rounding_mode)
-
-    interpreter._convert_float = convert
-    yield
-    interpreter._convert_float = orig
+pytestmark = pytest.mark.usefixtures("exact_hw_fp8_cast")  # conftest.py
 
 
 @pytest.fixture(scope="module")
