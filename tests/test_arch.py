@@ -75,10 +75,21 @@ def _import_log(env_extra):
 
 
 def test_import_logs_one_line_and_needs_no_vllm():
-    r = _import_log({"DEEPINFER_ARCH": "sm86", "DEEPINFER_DISABLE": "kv_gather"})
+    r = _import_log({"DEEPINFER_ARCH": "sm86", "DEEPINFER_DISABLE": "topk_swa"})
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "deepinfer" in ln]
     assert len(lines) == 1, r.stdout
-    assert "variant sm86" in lines[0] and "kv_gather=off" in lines[0] and "topk_swa=on" in lines[0]
+    assert "variant sm86" in lines[0] and "topk_swa=off" in lines[0] and "kv_gather=on" in lines[0]
     # no vLLM imported, CUDA not initialized by the variant resolution
     assert r.stdout.splitlines()[-2:] == ["False False", "False"]
+
+
+@pytest.mark.parametrize("variant,warned", [("sm80", True), ("sm86", True), ("sm90", False)])
+def test_switching_off_an_fp8_replacement_on_ampere_warns(variant, warned):
+    # Below sm_89 upstream's fallbacks for these features cannot compile: say so at import.
+    r = _import_log({"DEEPINFER_ARCH": variant, "DEEPINFER_DISABLE": "kv_gather,fp8_sw"})
+    assert r.returncode == 0, r.stderr
+    warn = [ln for ln in r.stdout.splitlines() if "fp8e4nv" in ln]
+    assert bool(warn) == warned, r.stdout
+    if warned:
+        assert "fp8_sw, kv_gather switched off on " + variant in warn[0]

@@ -25,6 +25,18 @@ def _announce() -> None:
         return
     _logger.info("deepinfer %s: kernel variant %s (%s; %s); features: %s", __version__, v.name,
                  arch.reason(), v.description, envs.summary(v.name))
+    if not v.hw_fp8 and v.name != "cpu":
+        # What upstream runs in their place loads or stores float8_e4m3fn in Triton, which
+        # refuses fp8e4nv below sm_89: switching them off here means a compile error later.
+        off = [f for f in _NEEDS_SW_FP8 if not envs.enabled(f, v.name)]
+        if off:
+            _logger.warning("deepinfer: %s switched off on %s: upstream's Triton kernels for "
+                            "them use fp8e4nv, which does not compile below sm_89",
+                            ", ".join(off), v.name)
+
+
+# Features whose upstream fallback is an fp8 Triton kernel (unrunnable on sm80/sm86).
+_NEEDS_SW_FP8 = ("fp8_sw", "kv_gather", "sparse_mla_decode")
 
 
 _announce()

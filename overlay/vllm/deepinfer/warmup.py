@@ -143,19 +143,24 @@ def keys(shapes: ModelShapes, variant: str | None = None,
     return out
 
 
+# warmup kernel name -> (module, jit function, signature table the compile gate also uses)
+_KERNELS: dict[str, tuple[str, str, str]] = {
+    "kv_gather": ("vllm.deepinfer.kernels.kv_gather", "_gather_kernel", "_SIGNATURE"),
+    "topk_swa": ("vllm.deepinfer.kernels.topk_swa", "_combine_kernel", "_SIGNATURE"),
+    "decode": ("vllm.deepinfer.kernels.sparse_mla_decode", "_sparse_mla_decode_kernel",
+               "_MAIN_SIG"),
+    "decode_reduce": ("vllm.deepinfer.kernels.sparse_mla_decode",
+                      "_sparse_mla_decode_reduce_kernel", "_REDUCE_SIG"),
+}
+
+
 def _kernel_and_signature(name: str):
-    if name == "kv_gather":
-        from vllm.deepinfer.kernels import kv_gather as m
-        return m._gather_kernel, m._SIGNATURE
-    if name == "topk_swa":
-        from vllm.deepinfer.kernels import topk_swa as m
-        return m._combine_kernel, m._SIGNATURE
-    from vllm.deepinfer.kernels import sparse_mla_decode as m
-    if name == "decode":
-        return m._sparse_mla_decode_kernel, m._MAIN_SIG
-    if name == "decode_reduce":
-        return m._sparse_mla_decode_reduce_kernel, m._REDUCE_SIG
-    raise ValueError(f"unknown warmup kernel {name!r}")
+    import importlib
+    if name not in _KERNELS:
+        raise ValueError(f"unknown warmup kernel {name!r}; known: {', '.join(_KERNELS)}")
+    module, kernel, sig = _KERNELS[name]
+    m = importlib.import_module(module)
+    return getattr(m, kernel), getattr(m, sig)
 
 
 _DTYPES = {"bf16": "bfloat16", "fp32": "float32", "u8": "uint8", "i32": "int32",
@@ -199,14 +204,10 @@ def _vllm_kernel():
         def get_warmup_keys(self, vllm_config: Any) -> list[WarmupKey]:
             return keys(model_shapes(vllm_config))
 
-        def compile(self, compile_key: WarmupKey) -> None:  # (shadows the module function)
-            _compile(compile_key)
+        def compile(self, key: WarmupKey) -> None:
+            compile_key(key)
 
     return DeepinferJitKernels()
-
-
-def _compile(key: WarmupKey) -> None:
-    compile_key(key)
 
 
 def register_with_vllm() -> bool:

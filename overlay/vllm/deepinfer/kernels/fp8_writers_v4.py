@@ -121,24 +121,24 @@ def fused_inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_c
     name, hw_fp8 = resolve(variant)
     check_tensor(o, "o", dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=3)
     num_tokens, num_heads, head_dim = o.shape
-    check(o.stride(2) == 1, "o", f"needs a unit inner stride, strides {o.stride()}")
+    check(o.stride(2) == 1, "o", lambda: f"needs a unit inner stride, strides {o.stride()}")
     check(num_heads == n_groups * heads_per_group, "o",
-          f"{num_heads} heads != n_groups {n_groups} * heads_per_group {heads_per_group}")
+          lambda: f"{num_heads} heads != n_groups {n_groups} * heads_per_group {heads_per_group}")
     check(head_dim == nope_dim + rope_dim and rope_dim % 2 == 0, "o",
-          f"head_dim {head_dim} != nope_dim {nope_dim} + rope_dim {rope_dim} (even)")
+          lambda: f"head_dim {head_dim} != nope_dim {nope_dim} + rope_dim {rope_dim} (even)")
     check(head_dim % quant_group_size == 0, "quant_group_size",
-          f"{quant_group_size} does not divide head_dim {head_dim}")
+          lambda: f"{quant_group_size} does not divide head_dim {head_dim}")
     chunks = head_dim // quant_group_size
     check(triton.next_power_of_2(chunks) == chunks and
           triton.next_power_of_2(quant_group_size) == quant_group_size, "quant_group_size",
-          f"{quant_group_size} and head_dim/{quant_group_size} must be powers of two")
+          lambda: f"{quant_group_size} and head_dim/{quant_group_size} must be powers of two")
     check(not (quantize and tma_aligned_scales) or chunks % 4 == 0, "tma_aligned_scales",
-          f"packed UE8M0 needs head_dim/quant_group_size ({chunks}) divisible by 4")
+          lambda: f"packed UE8M0 needs head_dim/quant_group_size ({chunks}) divisible by 4")
     check_tensor(positions, "positions", dtypes=INDEX_DTYPES, ndim=1, device=o.device)
-    check(positions.numel() >= num_tokens, "positions", f"{positions.numel()} < {num_tokens} tokens")
+    check(positions.numel() >= num_tokens, "positions", lambda: f"{positions.numel()} < {num_tokens} tokens")
     check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=torch.float32, ndim=2, device=o.device)
     check(cos_sin_cache.shape[1] == rope_dim and cos_sin_cache.stride(1) == 1, "cos_sin_cache",
-          f"expected [max_pos, {rope_dim}] with unit inner stride, got {tuple(cos_sin_cache.shape)}")
+          lambda: f"expected [max_pos, {rope_dim}] with unit inner stride, got {tuple(cos_sin_cache.shape)}")
 
     d = heads_per_group * head_dim
     blocks = d // quant_group_size
@@ -229,27 +229,27 @@ def fused_indexer_q_rope_quant(positions: torch.Tensor, index_q: torch.Tensor,
         raise NotImplementedError("use_fp4: the MXFP4 indexer Q needs the sm_100 e2m1 cvt; "
                                   "there is no fp8-free variant of it")
     check(weights_out_dtype == torch.float32, "weights_out_dtype",
-          f"{weights_out_dtype}: the FP8 path writes float32 weights")
+          lambda: f"{weights_out_dtype}: the FP8 path writes float32 weights")
     check_tensor(index_q, "index_q", dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=3)
     num_tokens, num_heads, head_dim = index_q.shape
     dev = index_q.device
-    check(index_q.stride(2) == 1, "index_q", f"needs a unit inner stride, strides {index_q.stride()}")
+    check(index_q.stride(2) == 1, "index_q", lambda: f"needs a unit inner stride, strides {index_q.stride()}")
     check_tensor(positions, "positions", dtypes=INDEX_DTYPES, ndim=1, device=dev)
     check(positions.numel() == num_tokens, "positions",
-          f"{positions.numel()} positions for {num_tokens} tokens")
+          lambda: f"{positions.numel()} positions for {num_tokens} tokens")
     check_tensor(index_q_cos_sin_cache, "index_q_cos_sin_cache",
                  dtypes=(torch.float32, torch.bfloat16), ndim=2, device=dev)
     rot = index_q_cos_sin_cache.shape[1]
     nope = head_dim - rot
     check(index_q_cos_sin_cache.stride(1) == 1 and rot % 2 == 0 and nope >= 0, "index_q_cos_sin_cache",
-          f"shape {tuple(index_q_cos_sin_cache.shape)} does not fit head_dim {head_dim}")
+          lambda: f"shape {tuple(index_q_cos_sin_cache.shape)} does not fit head_dim {head_dim}")
     for n, v in (("index_q_cos_sin_cache", rot // 2), ("index_q", nope)):
         check(v == 0 or triton.next_power_of_2(v) == v, n,
-              f"half rotary dim {rot // 2} and NoPE dim {nope} must be powers of two")
+              lambda: f"half rotary dim {rot // 2} and NoPE dim {nope} must be powers of two")
     check_tensor(index_weights, "index_weights", ndim=2, device=dev)
     check(tuple(index_weights.shape) == (num_tokens, num_heads) and index_weights.stride(1) == 1,
-          "index_weights", f"expected [{num_tokens}, {num_heads}] with unit inner stride, got "
-          f"{tuple(index_weights.shape)}")
+          "index_weights", lambda: (f"expected [{num_tokens}, {num_heads}] with unit inner stride, got "
+          f"{tuple(index_weights.shape)}"))
     q_out = torch.empty(index_q.shape, dtype=torch.uint8, device=dev)
     weights_out = torch.empty_like(index_weights, dtype=weights_out_dtype)
     if num_tokens > 0 and num_heads > 0:

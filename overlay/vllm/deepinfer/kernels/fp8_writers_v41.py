@@ -98,8 +98,8 @@ def rope_quant_insert(latent: torch.Tensor, positions: torch.Tensor, cos_sin_cac
     name, hw_fp8 = resolve(variant)
     check_tensor(latent, "latent", dtypes=torch.bfloat16, ndim=2)
     check(latent.shape[1] == rec.HEAD_DIM and latent.is_contiguous(), "latent",
-          f"expected a contiguous [tokens, {rec.HEAD_DIM}] tensor, got shape "
-          f"{tuple(latent.shape)} strides {latent.stride()}")
+          lambda: (f"expected a contiguous [tokens, {rec.HEAD_DIM}] tensor, got shape "
+          f"{tuple(latent.shape)} strides {latent.stride()}"))
     dev = latent.device
     check_tensor(positions, "positions", dtypes=INDEX_DTYPES, ndim=1, device=dev)
     check_tensor(slot_mapping, "slot_mapping", dtypes=INDEX_DTYPES, ndim=1, device=dev)
@@ -108,18 +108,18 @@ def rope_quant_insert(latent: torch.Tensor, positions: torch.Tensor, cos_sin_cac
     check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=(torch.float32, torch.bfloat16), ndim=2,
                  device=dev)
     check(cos_sin_cache.shape[1] == rec.ROPE_DIM and cos_sin_cache.stride(1) == 1, "cos_sin_cache",
-          f"expected [max_pos, {rec.ROPE_DIM}] with unit inner stride, got {tuple(cos_sin_cache.shape)}")
+          lambda: f"expected [max_pos, {rec.ROPE_DIM}] with unit inner stride, got {tuple(cos_sin_cache.shape)}")
     check_tensor(kv_cache, "kv_cache", dtypes=torch.uint8, ndim=3, device=dev)
     check(kv_cache.shape[2] == rec.RECORD_BYTES, "kv_cache",
-          f"record width {kv_cache.shape[2]}: only the {rec.RECORD_BYTES}-byte record has an "
-          "fp8-free variant (528/288-byte records and plain rows are SM100/FlashInfer layouts)")
+          lambda: (f"record width {kv_cache.shape[2]}: only the {rec.RECORD_BYTES}-byte record has an "
+          "fp8-free variant (528/288-byte records and plain rows are SM100/FlashInfer layouts)"))
     check(kv_cache.stride(2) == 1 and kv_cache.stride(1) == rec.RECORD_BYTES, "kv_cache",
-          f"each page must be {rec.RECORD_BYTES}*block_size contiguous bytes, strides {kv_cache.stride()}")
+          lambda: f"each page must be {rec.RECORD_BYTES}*block_size contiguous bytes, strides {kv_cache.stride()}")
     check(fp8_scale is None, "fp8_scale", "only used by plain fp8 rows; must be None for 584-byte records")
-    check(compress_ratio in (1, 2), "compress_ratio", f"{compress_ratio}, expected 1 or 2")
+    check(compress_ratio in (1, 2), "compress_ratio", lambda: f"{compress_ratio}, expected 1 or 2")
     num_tokens = slot_mapping.numel()
     check(num_tokens <= min(latent.shape[0], positions.numel()), "slot_mapping",
-          f"{num_tokens} slots but latent has {latent.shape[0]} rows, positions {positions.numel()}")
+          lambda: f"{num_tokens} slots but latent has {latent.shape[0]} rows, positions {positions.numel()}")
     if num_tokens == 0:
         return
     _rope_quant_insert_584_kernel[(num_tokens,)](
@@ -197,26 +197,26 @@ def indexer_k_norm_rope_store(k_pre: torch.Tensor, positions: torch.Tensor,
                                   "cvt; there is no fp8-free variant of it")
     check_tensor(k_pre, "k_pre", dtypes=torch.bfloat16, ndim=2)
     check(k_pre.shape[1] == INDEXER_HEAD_DIM and k_pre.stride(1) == 1, "k_pre",
-          f"expected [tokens, {INDEXER_HEAD_DIM}] with unit inner stride, got {tuple(k_pre.shape)}")
+          lambda: f"expected [tokens, {INDEXER_HEAD_DIM}] with unit inner stride, got {tuple(k_pre.shape)}")
     dev = k_pre.device
     check_tensor(positions, "positions", dtypes=INDEX_DTYPES, ndim=1, device=dev)
     check_tensor(kv_slot_mapping, "kv_slot_mapping", dtypes=INDEX_DTYPES, ndim=1, device=dev)
     check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=(torch.float32, torch.bfloat16), ndim=2,
                  device=dev)
     check(cos_sin_cache.shape[1] == INDEXER_ROPE_DIM and cos_sin_cache.stride(1) == 1,
-          "cos_sin_cache", f"expected [max_pos, {INDEXER_ROPE_DIM}], got {tuple(cos_sin_cache.shape)}")
+          "cos_sin_cache", lambda: f"expected [max_pos, {INDEXER_ROPE_DIM}], got {tuple(cos_sin_cache.shape)}")
     check_tensor(rms_norm_weight, "rms_norm_weight", ndim=1, device=dev)
     check(rms_norm_weight.numel() == INDEXER_HEAD_DIM and rms_norm_weight.is_contiguous(),
-          "rms_norm_weight", f"expected {INDEXER_HEAD_DIM} contiguous values")
+          "rms_norm_weight", lambda: f"expected {INDEXER_HEAD_DIM} contiguous values")
     row_bytes = INDEXER_HEAD_DIM + _INDEXER_SCALE_BYTES
     check_tensor(k_cache, "k_cache", dtypes=torch.uint8, ndim=3, device=dev)
     check(k_cache.shape[2] == row_bytes and k_cache.stride(2) == 1 and k_cache.stride(1) == row_bytes,
-          "k_cache", f"expected [blocks, block_size, {row_bytes}] with contiguous pages, got "
-          f"{tuple(k_cache.shape)} strides {k_cache.stride()}")
-    check(compress_ratio in (1, 2), "compress_ratio", f"{compress_ratio}, expected 1 or 2")
+          "k_cache", lambda: (f"expected [blocks, block_size, {row_bytes}] with contiguous pages, got "
+          f"{tuple(k_cache.shape)} strides {k_cache.stride()}"))
+    check(compress_ratio in (1, 2), "compress_ratio", lambda: f"{compress_ratio}, expected 1 or 2")
     num_tokens = kv_slot_mapping.numel()
     check(num_tokens <= min(k_pre.shape[0], positions.numel()), "kv_slot_mapping",
-          f"{num_tokens} slots but k_pre has {k_pre.shape[0]} rows, positions {positions.numel()}")
+          lambda: f"{num_tokens} slots but k_pre has {k_pre.shape[0]} rows, positions {positions.numel()}")
     if num_tokens == 0:
         return
     _indexer_k_store_fp8_kernel[(num_tokens,)](

@@ -278,26 +278,16 @@ def dequantize_and_gather_k_cache(
         return
     sms = sm_count if sm_count is not None else sm_count_of(out.device)
     step = _REQ_BUCKETS[-1]
-    if num_reqs <= step:  # one launch on the caller's tensors (no slicing: ~1 us a view)
-        grid = (max(1, min(num_reqs * triton.cdiv(cap, tile.tokens),
-                           tile.programs_per_sm * sms)),)
-        _gather_kernel[grid](
-            out, out.stride(0), out.stride(1), k_cache, k_cache.stride(0), seq_lens,
-            gather_lens if gather_lens is not None else seq_lens, block_table,
-            block_table.stride(0), num_reqs, block_size, offset,
-            TOKENS=tile.tokens, BLOCK_R=_req_bucket(num_reqs),
-            HAS_GATHER_LENS=gather_lens is not None, DECODE=_DECODES[tile.decode],
-            num_warps=tile.num_warps, num_stages=1)
-        return
     for r0 in range(0, num_reqs, step):
         r1 = min(num_reqs, r0 + step)
         n = r1 - r0
-        tiles_bound = n * triton.cdiv(cap, tile.tokens)
-        grid = (max(1, min(tiles_bound, tile.programs_per_sm * sms)),)
+        # Views only when a batch needs several launches (a view costs ~1 us of host time).
+        part = (lambda t: t) if n == num_reqs else (lambda t: t[r0:r1])
+        grid = (max(1, min(n * triton.cdiv(cap, tile.tokens), tile.programs_per_sm * sms)),)
         _gather_kernel[grid](
-            out[r0:r1], out.stride(0), out.stride(1), k_cache, k_cache.stride(0),
-            seq_lens[r0:r1], gather_lens[r0:r1] if gather_lens is not None else seq_lens[r0:r1],
-            block_table[r0:r1], block_table.stride(0), n, block_size, offset,
+            part(out), out.stride(0), out.stride(1), k_cache, k_cache.stride(0),
+            part(seq_lens), part(gather_lens if gather_lens is not None else seq_lens),
+            part(block_table), block_table.stride(0), n, block_size, offset,
             TOKENS=tile.tokens, BLOCK_R=_req_bucket(n), HAS_GATHER_LENS=gather_lens is not None,
             DECODE=_DECODES[tile.decode], num_warps=tile.num_warps, num_stages=1)
 

@@ -180,16 +180,16 @@ def _inputs_ok(topk_indices, query_start_loc, seq_lens, gather_lens, window_size
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_config(topk_width: int, topk: int, window_size: int, variant: str | None):
-    """(row width, VEC, tile) for a call: pure functions of these, cached (host time)."""
-    width = combined_width(topk, window_size)
+def _launch_config(topk_width: int, width: int, variant: str):
+    """(VEC, tile) for a call: pure functions of these, cached (host time)."""
     vec = _vec(topk_width)
-    return width, vec, _tile(width if vec == _VEC else _SCALAR_WIDTH, variant)
+    return vec, _tile(width if vec == _VEC else _SCALAR_WIDTH, variant)
 
 
 def _validate(topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
-              topk, M, N):
-    # Messages are built only on failure (lambdas); the per-call check is _inputs_ok.
+              topk, M, N, out, width):
+    # Messages are built only on failure (lambdas); the per-call check is _inputs_ok, and
+    # this runs only when that says False.
     def need(cond, name, what):
         if not cond:
             raise ValueError(f"{name}: {what() if callable(what) else what}")
@@ -219,7 +219,19 @@ def _validate(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
     for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
                     ("gather_lens", gather_lens)):
         need(t.device == topk_indices.device, name,
-             f"on {t.device}, topk_indices on {topk_indices.device}")
+             lambda: f"on {t.device}, topk_indices on {topk_indices.device}")
+    if out is None:
+        return
+    ci, cl = out
+    num_tokens, dev = topk_indices.shape[0], topk_indices.device
+    need(ci.dtype == torch.int32 and ci.dim() == 2 and tuple(ci.shape) == (num_tokens, width)
+         and ci.stride(1) == 1 and ci.device == dev, "out[0] (combined_indices)",
+         lambda: f"expected int32 [{num_tokens}, {width}] with contiguous rows on {dev}, got "
+         f"{ci.dtype} {tuple(ci.shape)} strides {ci.stride()}")
+    need(cl.dtype == torch.int32 and tuple(cl.shape) == (num_tokens,) and cl.is_contiguous()
+         and cl.device == dev, "out[1] (combined_lens)",
+         lambda: f"expected contiguous int32 [{num_tokens}] on {dev}, got {cl.dtype} "
+         f"{tuple(cl.shape)}")
 
 
 def combine_topk_swa_indices(
@@ -244,32 +256,20 @@ def combine_topk_swa_indices(
     length unwritten) get all -1 and length 0. ``variant`` picks the tile row (None: this
     process's variant).
     """
-    fast = _inputs_ok(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
-                      compress_ratio, topk, M, N, out, combined_width(topk, window_size))
-    if not fast:
+    width = combined_width(topk, window_size)
+    if not _inputs_ok(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
+                      compress_ratio, topk, M, N, out, width):
         _validate(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
-                  compress_ratio, topk, M, N)
+                  compress_ratio, topk, M, N, out, width)
     num_tokens = topk_indices.shape[0]
-    width, vec, tile = _launch_config(topk_indices.shape[1], topk, window_size,
-                                      variant if variant is not None else arch.current().name)
-    dev = topk_indices.device
+    vec, tile = _launch_config(topk_indices.shape[1], width,
+                               variant if variant is not None else arch.current().name)
     if out is None:
+        dev = topk_indices.device
         combined_indices = torch.empty(num_tokens, width, dtype=torch.int32, device=dev)
         combined_lens = torch.empty(num_tokens, dtype=torch.int32, device=dev)
     else:
         combined_indices, combined_lens = out
-        if not fast and not (combined_indices.dtype == torch.int32 and combined_indices.dim() == 2
-                and tuple(combined_indices.shape) == (num_tokens, width)
-                and combined_indices.stride(1) == 1 and combined_indices.device == dev):
-            raise ValueError(
-                f"out[0] (combined_indices): expected int32 [{num_tokens}, {width}] with "
-                f"contiguous rows on {dev}, got {combined_indices.dtype} "
-                f"{tuple(combined_indices.shape)} strides {combined_indices.stride()}")
-        if not fast and not (combined_lens.dtype == torch.int32 and tuple(combined_lens.shape) == (num_tokens,)
-                and combined_lens.is_contiguous() and combined_lens.device == dev):
-            raise ValueError(
-                f"out[1] (combined_lens): expected contiguous int32 [{num_tokens}] on {dev}, "
-                f"got {combined_lens.dtype} {tuple(combined_lens.shape)}")
     if num_tokens == 0:
         return combined_indices, combined_lens
     topk_eff = topk if compress_ratio > 0 else 0
