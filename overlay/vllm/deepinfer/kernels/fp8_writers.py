@@ -22,10 +22,17 @@ import triton.language as tl
 
 from vllm.deepinfer import arch
 from vllm.deepinfer.compile_gate import GateSpec, register
+from vllm.deepinfer.fp8 import cvt_f32_to_e4m3
 
 # Largest finite e4m3fn magnitude; every writer clamps (or scales) into +-FP8_MAX.
 # (tl.constexpr: jit functions may read it as a global.)
 FP8_MAX = tl.constexpr(448.0)
+# Upstream's amax floor for the compressed and indexer caches: an all-zero block gets the
+# finite scale 2^ceil(log2(1e-4/448)) = 2^-22 (UE8M0 byte 105) instead of a zero division.
+AMAX_FLOOR = tl.constexpr(1e-4)
+# UE8M0 stores 2^(byte-127); the encoded exponent is clamped into a byte (upstream's CUDA
+# bound; its gfx950 path uses 254 to keep the OCP-MX NaN code out, a ROCm-only path).
+UE8M0_MAX = tl.constexpr(255.0)
 # Variants the compile gate builds each writer for: sm80 (software cast, also built for
 # sm_86) and sm90 (hardware cast). sm89/sm100 run the sm90 code path (HW_FP8=True).
 GATE_VARIANTS = ("sm80", "sm90")
@@ -86,6 +93,27 @@ def rope_tail_pairs(even, odd, cs_row, NUM_PAIRS: tl.constexpr, NOPE_PAIRS: tl.c
     c = tl.load(cs_row + idx, is_rope, other=1.0).to(tl.float32)
     s = tl.load(cs_row + HALF_ROPE + idx, is_rope, other=0.0).to(tl.float32)
     return gptj_rotate(even, odd, c, s)
+
+
+@triton.jit
+def store_fp8_key_row(x, page, row, cache_block, HEAD: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                      MX_SCALE: tl.constexpr, HW_FP8: tl.constexpr):
+    """One indexer key ``x`` [HEAD] fp32 quantized with a single power-of-two scale (upstream's
+    FP8 indexer row, V4.1 K store and V4 compressor alike): the e4m3 codes at
+    ``page + row * HEAD``, the scale after the page's codes — fp32, or with ``MX_SCALE`` four
+    equal UE8M0 bytes (SM100 MQA-logits kernels; upstream's ``pack_ue8m0_x4``)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), AMAX_FLOOR)
+    exponent = tl.ceil(tl.log2(amax * (1.0 / FP8_MAX)))
+    q = tl.clamp(x * tl.exp2(-exponent), -FP8_MAX, FP8_MAX)
+    d = tl.arange(0, HEAD)
+    tl.store(page + row * HEAD + d, cvt_f32_to_e4m3(q, HW_FP8))
+    scale_dst = page + cache_block * HEAD + row * SCALE_BYTES
+    scale = tl.exp2(exponent)
+    if MX_SCALE:
+        ue8m0 = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        tl.store(scale_dst.to(tl.pointer_type(tl.int32)), ue8m0 * 0x01010101)
+    else:
+        tl.store(scale_dst.to(tl.pointer_type(tl.float32)), scale)
 
 
 def register_writer(name: str, kernel, signature: dict[str, str], constexprs: dict,

@@ -20,8 +20,9 @@ import triton.language as tl
 
 from vllm.deepinfer import kv_record as rec
 from vllm.deepinfer.fp8 import cvt_f32_to_e4m3
-from vllm.deepinfer.kernels.fp8_writers import (FP8_MAX, INDEX_DTYPES, check, check_tensor,
-                                                register_writer, resolve, rope_tail_pairs)
+from vllm.deepinfer.kernels.fp8_writers import (AMAX_FLOOR, FP8_MAX, INDEX_DTYPES, UE8M0_MAX,
+                                                check, check_tensor, register_writer, resolve,
+                                                rope_tail_pairs, store_fp8_key_row)
 
 # Warps per program, per variant. One program per token: the compressed-KV insert keeps
 # upstream's 4 (a 512-wide row, no sum reduction, so any count gives the same bytes). The
@@ -30,11 +31,6 @@ from vllm.deepinfer.kernels.fp8_writers import (FP8_MAX, INDEX_DTYPES, check, ch
 _INSERT_WARPS = {"cpu": 4, "sm80": 4, "sm86": 4, "sm89": 4, "sm90": 4, "sm100": 4}
 _INDEXER_K_WARPS = {"cpu": 1, "sm80": 1, "sm86": 1, "sm89": 1, "sm90": 1, "sm100": 1}
 
-# UE8M0 stores 2^(byte-127); the encoded exponent is clamped into a byte (upstream's CUDA
-# bound; its ROCm path uses 254 to keep 0xFF (NaN in OCP MX) out of the cache).
-_UE8M0_MAX = tl.constexpr(255.0)
-# The amax floor of upstream's writers: an all-zero block gets scale 2^ceil(log2(1e-4/448)).
-_AMAX_FLOOR = tl.constexpr(1e-4)
 # V4.1 indexer keys: 128 dims, the last 64 rotated.
 INDEXER_HEAD_DIM = 128
 INDEXER_ROPE_DIM = 64
@@ -70,12 +66,12 @@ def _rope_quant_insert_584_kernel(
     # NoPE: one UE8M0 scale per 64 dims. All 8 blocks are computed (a 512-wide tile);
     # the RoPE block's bytes and scale are dropped by the masks.
     blocks = tl.reshape(x, (NBLK, QBLOCK))
-    amax = tl.maximum(tl.max(tl.abs(blocks), 1), _AMAX_FLOOR)
+    amax = tl.maximum(tl.max(tl.abs(blocks), 1), AMAX_FLOOR)
     exponent = tl.ceil(tl.log2(amax * (1.0 / FP8_MAX)))
     scaled = tl.clamp(blocks * tl.reshape(tl.exp2(-exponent), (NBLK, 1)), -FP8_MAX, FP8_MAX)
     tl.store(data + d, tl.reshape(cvt_f32_to_e4m3(scaled, HW_FP8), (HEAD,)), d < NOPE)
     b = tl.arange(0, NBLK)
-    encoded = tl.minimum(tl.maximum(exponent + 127.0, 0.0), _UE8M0_MAX)
+    encoded = tl.minimum(tl.maximum(exponent + 127.0, 0.0), UE8M0_MAX)
     # 7 scale bytes, then the record's zero pad byte.
     tl.store(scale_dst + b, tl.where(b < NOPE // QBLOCK, encoded, 0.0).to(tl.uint8))
 
@@ -165,19 +161,9 @@ def _indexer_k_store_fp8_kernel(
     x = tl.interleave(re, ro).to(tl.bfloat16).to(tl.float32)
 
     # One power-of-two scale for the whole key.
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), _AMAX_FLOOR)
-    exponent = tl.ceil(tl.log2(amax * (1.0 / FP8_MAX)))
-    q = tl.clamp(x * tl.exp2(-exponent), -FP8_MAX, FP8_MAX)
     page = cache + (slot // cache_block).to(tl.int64) * BLOCK_STRIDE
-    row = slot % cache_block
-    tl.store(page + row * HEAD + d, cvt_f32_to_e4m3(q, HW_FP8))
-    scale_dst = page + cache_block * HEAD + row * SCALE_BYTES
-    scale = tl.exp2(exponent)
-    if MX_SCALE:  # four equal UE8M0 bytes (SM100 MQA-logits kernels)
-        ue8m0 = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        tl.store(scale_dst.to(tl.pointer_type(tl.int32)), ue8m0 * 0x01010101)
-    else:
-        tl.store(scale_dst.to(tl.pointer_type(tl.float32)), scale)
+    store_fp8_key_row(x, page, slot % cache_block, cache_block, HEAD, SCALE_BYTES, MX_SCALE,
+                      HW_FP8)
 
 
 def indexer_k_norm_rope_store(k_pre: torch.Tensor, positions: torch.Tensor,

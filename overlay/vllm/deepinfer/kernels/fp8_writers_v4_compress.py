@@ -36,8 +36,9 @@ import triton.language as tl
 
 from vllm.deepinfer import kv_record as rec
 from vllm.deepinfer.fp8 import cvt_f32_to_e4m3
-from vllm.deepinfer.kernels.fp8_writers import (FP8_MAX, INDEX_DTYPES, check, check_tensor,
-                                                register_writer, resolve, rope_tail_pairs)
+from vllm.deepinfer.kernels.fp8_writers import (AMAX_FLOOR, FP8_MAX, INDEX_DTYPES, UE8M0_MAX,
+                                                check, check_tensor, register_writer, resolve,
+                                                rope_tail_pairs, store_fp8_key_row)
 
 # Warps per program, per variant. Both kernels reduce with floating-point sums (the
 # softmax denominator, the pooled sum over the window's rows, the RMSNorm sum of squares);
@@ -46,12 +47,6 @@ from vllm.deepinfer.kernels.fp8_writers import (FP8_MAX, INDEX_DTYPES, check, ch
 _SPARSE_ATTN_WARPS = {"cpu": 4, "sm80": 4, "sm86": 4, "sm89": 4, "sm90": 4, "sm100": 4}
 _INDEXER_WARPS = {"cpu": 1, "sm80": 1, "sm86": 1, "sm89": 1, "sm90": 1, "sm100": 1}
 
-# Upstream's amax floor for both caches: an all-zero block gets the finite scale
-# 2^ceil(log2(1e-4/448)) = 2^-22 (UE8M0 byte 105) instead of a zero division.
-_AMAX_FLOOR = tl.constexpr(1e-4)
-# UE8M0 bytes are clamped into [0, 255] (upstream's CUDA bound; gfx950 uses 254 to keep the
-# OCP-MX NaN code out, a ROCm-only path).
-_UE8M0_MAX = tl.constexpr(255.0)
 
 SPARSE_ATTN_HEAD_DIM = rec.HEAD_DIM  # 512: 448 NoPE + 64 RoPE
 INDEXER_HEAD_DIM = 128               # V4 index_head_dim
@@ -136,12 +131,12 @@ def _compress_sparse_attn_kernel(
     # NoPE: the normed row rounded through bf16, one UE8M0 scale per QBLOCK dims. All
     # NBLK blocks are computed (one tile); the RoPE block's bytes and scale are masked.
     blocks = tl.reshape(normed.to(tl.bfloat16).to(tl.float32), (NBLK, QBLOCK))
-    amax = tl.maximum(tl.max(tl.abs(blocks), axis=1), _AMAX_FLOOR)
+    amax = tl.maximum(tl.max(tl.abs(blocks), axis=1), AMAX_FLOOR)
     exponent = tl.ceil(tl.log2(amax * (1.0 / FP8_MAX)))
     scaled = tl.clamp(blocks * tl.reshape(tl.exp2(-exponent), (NBLK, 1)), -FP8_MAX, FP8_MAX)
     tl.store(data + d, tl.reshape(cvt_f32_to_e4m3(scaled, HW_FP8), (HEAD,)), mask=d < NOPE)
     b = tl.arange(0, NBLK)
-    encoded = tl.maximum(tl.minimum(exponent + 127.0, _UE8M0_MAX), 0.0)
+    encoded = tl.maximum(tl.minimum(exponent + 127.0, UE8M0_MAX), 0.0)
     # NOPE // QBLOCK scale bytes, then the record's zero pad byte.
     tl.store(scale_dst + b, tl.where(b < NOPE // QBLOCK, encoded, 0.0).to(tl.uint8))
 
@@ -186,20 +181,9 @@ def _compress_indexer_kernel(
     x = tl.interleave(re, ro).to(tl.bfloat16).to(tl.float32)
 
     # One power-of-two scale for the key (a single HEAD-wide quant block).
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), _AMAX_FLOOR)
-    exponent = tl.ceil(tl.log2(amax * (1.0 / FP8_MAX)))
-    q = tl.clamp(x * tl.exp2(-exponent), -FP8_MAX, FP8_MAX)
     page = cache + (slot // cache_block).to(tl.int64) * CACHE_STRIDE
-    row = slot % cache_block
-    d = tl.arange(0, HEAD)
-    tl.store(page + row * HEAD + d, cvt_f32_to_e4m3(q, HW_FP8))
-    scale_dst = page + cache_block * HEAD + row * SCALE_BYTES
-    scale = tl.exp2(exponent)
-    if MX_SCALE:  # four equal UE8M0 bytes (SM100 MQA-logits kernels; upstream's pack_ue8m0_x4)
-        ue8m0 = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        tl.store(scale_dst.to(tl.pointer_type(tl.int32)), ue8m0 * 0x01010101)
-    else:
-        tl.store(scale_dst.to(tl.pointer_type(tl.float32)), scale)
+    store_fp8_key_row(x, page, slot % cache_block, cache_block, HEAD, SCALE_BYTES, MX_SCALE,
+                      HW_FP8)
 
 
 # ----------------------------------------------------------------- host side
