@@ -1,0 +1,143 @@
+"""indexer_logits suite: the sparse indexer's MQA logits without DeepGEMM.
+
+There is no upstream kernel to time beside ours here: upstream's CUDA indexer calls DeepGEMM
+(``fp8_fp4_paged_mqa_logits`` / ``fp8_fp4_mqa_logits``), which is not installed on the GPU
+machine and does not exist for SM80/SM86 at all. Rows therefore carry no ``upstream_us`` and
+no speedup; they give GPU time (``Harness.time_graph``), the share of the copy roofline for
+the bytes the kernel must move and the share of the bf16 matmul rate for its FLOPs, and the
+error against an fp64 torch reference of DeepGEMM's formula on sampled rows (``within_bound``:
+every sampled logit inside the fp32 summation bound of tests/test_indexer_logits.py).
+
+Shapes (64 heads x 128 dims, 128-token pages as off SM90):
+* decode (paged): B requests x one query row, every request with L compressed keys
+  (L = 8192 and 65536; B = 1, 16, 64; quick: B = 16, 64 at L = 8192).
+* prefill (gathered keys): one chunk of M = 2048 query rows at the end of N = 8192 keys,
+  row i seeing keys [0, N - M + i + 1) (causal, ratio 1).
+Variants: ``sm80`` (integer decode to fp16, what SM80/SM86 run), ``sm80-e4b15`` (Triton's
+fp8e4b15 conversion instead), ``sm90`` (hardware e4m3 dot, what SM89 runs). ``TILE_SWEEP``
+times other tiles of the sm80 decode at the B = 64, L = 8192 decode and the prefill shape.
+
+``bytes``: decode = rows x L x (128 + 4) key bytes + rows x L x 4 logit bytes (+ queries);
+prefill = the N keys once + every valid logit written. ``flops`` = 2 x 64 x 128 per
+(row, key) pair.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from harness import Harness
+
+from vllm.deepinfer.kernels import indexer_logits as il
+
+H, D, PAGE = 64, il.HEAD_DIM, 128
+TILE_SWEEP = [(32, 8), (64, 4), (128, 8)]  # (block_n, num_warps) besides the default
+
+
+def _codes(shape, dev):
+    b = torch.randint(0, 256, shape, dtype=torch.int32, device=dev)
+    return torch.where((b & 0x7F) == 0x7F, b - 1, b).to(torch.uint8)
+
+
+def _decode_inputs(dev, B, L):
+    pages = -(-L // PAGE)
+    cache = _codes((B * pages, PAGE, D + 4), dev)
+    # Scales: powers of two as the indexer K store writes them.
+    sc = torch.exp2(torch.randint(-8, 2, (B * pages, PAGE), device=dev).float())
+    cache.view(B * pages, -1)[:, PAGE * D:] = sc.view(torch.uint8).view(B * pages, -1)
+    table = torch.randperm(B * pages, device=dev, dtype=torch.int64).to(torch.int32).view(B, pages)
+    return {"q": _codes((B, 1, H, D), dev), "cache": cache, "table": table,
+            "w": torch.randn(B, H, device=dev) * 0.1,
+            "ctx": torch.full((B,), L, dtype=torch.int32, device=dev), "L": L}
+
+
+def _prefill_inputs(dev, M, N):
+    ks = torch.zeros(M, dtype=torch.int32, device=dev)
+    ke = torch.arange(N - M + 1, N + 1, dtype=torch.int32, device=dev)
+    return {"q": _codes((M, H, D), dev), "k": _codes((N, D), dev),
+            "s": torch.exp2(torch.randint(-8, 2, (N,), device=dev).float()),
+            "w": torch.randn(M, H, device=dev) * 0.1, "ks": ks, "ke": ke, "N": N}
+
+
+def _f(x):
+    return x.view(torch.float8_e4m3fn).to(torch.float64)
+
+
+def _check_rows(got_rows, qs, ws, keys_list, scales_list):
+    """(max abs err, all within the fp32 summation bound) over sampled rows."""
+    worst, ok = 0.0, True
+    for got, q, w, k, s in zip(got_rows, qs, ws, keys_list, scales_list):
+        q64, k64, w64, s64 = _f(q), _f(k), w.double(), s.double()
+        want = ((k64 @ q64.T).clamp_min(0) * w64).sum(1) * s64
+        bound = (H + D) * 2.0 ** -24 * ((k64.abs() @ q64.abs().T) * w64.abs()).sum(1) * s64
+        err = (got.double() - want).abs()
+        worst = max(worst, float(err.max()))
+        ok = ok and bool((err <= bound).all())
+    return worst, ok
+
+
+def _paged_keys(x, b):
+    pages = x["table"][b].long()
+    blk = x["cache"][pages].view(-1, PAGE * (D + 4))
+    keys = blk[:, : PAGE * D].reshape(-1, D)[: x["L"]]
+    sc = blk[:, PAGE * D:].contiguous().view(torch.float32).reshape(-1)[: x["L"]]
+    return keys, sc
+
+
+VARIANTS = [("sm80", None), ("sm80-e4b15", dataclasses.replace(il.TILES["sm80"], e4b15=True)),
+            ("sm90", None)]
+
+
+def run(h: Harness) -> None:
+    dev = h.dev
+    decode_shapes = ([(16, 8192), (64, 8192)] if h.quick else
+                     [(1, 8192), (16, 8192), (64, 8192), (1, 65536), (16, 65536), (64, 65536)])
+    for B, L in decode_shapes:
+        bytes_one = B * L * (D + 8) + B * H * (D + 4)
+        ring = h.copies(lambda: _decode_inputs(dev, B, L), bytes_one, max_copies=16)
+        for name, tile in VARIANTS:
+            variant = name.split("-")[0]
+            tiles = [(tile, "")]
+            if name == "sm80" and (B, L) == (64, 8192):
+                tiles += [(dataclasses.replace(il.TILES["sm80"], block_n=bn, num_warps=nw),
+                           f"-bn{bn}w{nw}") for bn, nw in TILE_SWEEP]
+            for t, tag in tiles:
+                def launch(x, t=t, variant=variant):
+                    return il.paged_mqa_logits(x["q"], x["cache"], x["w"], x["ctx"], x["table"],
+                                               x["L"], variant=variant, tile=t)
+                x = ring[0]
+                out = launch(x)
+                rows = [0, B - 1] if B > 1 else [0]
+                ks = [_paged_keys(x, b) for b in rows]
+                err, ok = _check_rows([out[b] for b in rows], [x["q"][b, 0] for b in rows],
+                                      [x["w"][b] for b in rows], [k for k, _ in ks],
+                                      [s for _, s in ks])
+                us = h.time_graph(launch, ring)
+                h.add("indexer_logits.paged", name + tag, {"B": B, "L": L, "H": H, "D": D},
+                      us, None, bytes=bytes_one, flops=2.0 * H * D * B * L,
+                      max_abs_diff=err, within_bound=ok)
+    M, N = (2048, 8192)
+    valid = sum(range(N - M + 1, N + 1))
+    bytes_one = N * (D + 4) + valid * 4 + M * H * (D + 4)
+    ring = h.copies(lambda: _prefill_inputs(dev, M, N), bytes_one, max_copies=8)
+    for name, tile in VARIANTS:
+        variant = name.split("-")[0]
+        tiles = [(tile, "")]
+        if name == "sm80":
+            tiles += [(dataclasses.replace(il.TILES["sm80"], block_n=bn, num_warps=nw),
+                       f"-bn{bn}w{nw}") for bn, nw in TILE_SWEEP]
+        for t, tag in tiles:
+            def launch(x, t=t, variant=variant):
+                return il.mqa_logits(x["q"], x["k"], x["s"], x["w"], x["ks"], x["ke"], N,
+                                     variant=variant, tile=t)
+            x = ring[0]
+            out = launch(x)
+            rows = [0, M // 2, M - 1]
+            err, ok = _check_rows([out[i, : int(x["ke"][i])] for i in rows],
+                                  [x["q"][i] for i in rows], [x["w"][i] for i in rows],
+                                  [x["k"][: int(x["ke"][i])] for i in rows],
+                                  [x["s"][: int(x["ke"][i])] for i in rows])
+            us = h.time_graph(launch, ring)
+            h.add("indexer_logits.flat", name + tag, {"M": M, "N": N, "H": H, "D": D}, us, None,
+                  bytes=bytes_one, flops=2.0 * H * D * valid, max_abs_diff=err, within_bound=ok)

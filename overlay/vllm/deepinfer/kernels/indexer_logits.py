@@ -1,0 +1,311 @@
+"""Sparse-indexer MQA logits without DeepGEMM: the scores the V4.1/V4 indexer ranks for top-k.
+
+Upstream's CUDA indexer (``model_executor/layers/sparse_attn_indexer.py``) gets its logits
+from DeepGEMM (``vllm.utils.deep_gemm.fp8_fp4_mqa_logits`` for prefill over gathered keys,
+``fp8_fp4_paged_mqa_logits`` for decode over the paged index-K cache). DeepGEMM is built for
+SM90/SM100 only, so on SM80/SM86 (and SM89) there is no indexer at all. These two functions
+take the same arguments and return the same values (FP8 path, fp32 scales, no MX scales):
+
+    logits[r, j] = k_scale[key] * sum_h weights[r, h] * relu(q[r, h, :] . k[key, :])
+
+(``relu`` commutes with the positive scale, as DeepGEMM's reference in
+``rocm_aiter_mla_sparse.fp8_mqa_logits_torch`` writes it with the scale inside).
+
+* ``mqa_logits``: keys ``k`` [N, D] e4m3 + ``k_scale`` [N] fp32; row ``i`` sees keys
+  ``[ks[i], ke[i])`` and stores key ``ks[i] + j`` at column ``j`` ("compressed" logits,
+  [M, max_seqlen_k]).
+* ``paged_mqa_logits``: the index-K cache [num_blocks, block_size, D + 4] uint8 (a page is
+  block_size * D code bytes, then block_size fp32 scales; pages through ``stride(0)``), a
+  block table, per-request context lengths ([B] — row ``j`` of the request's ``next_n`` rows
+  sees ``len - next_n + j + 1`` keys — or per row, [B, next_n]); [B * next_n, max_model_len].
+Columns past a row's length are not written (DeepGEMM does not clean them either; the top-k
+kernels read only each row's valid prefix).
+
+Kernel (one per variant, ``HW_FP8`` constexpr): grid (programs per row, rows). A program
+keeps its row's query [H, D] in registers and walks BLOCK_N-key tiles ``pid, pid + P, ...``
+of the row's keys: one [H, D] x [D, BLOCK_N] tensor-core dot per tile, relu, the weighted sum
+over heads, times the keys' scales. Below sm_89 the e4m3 bytes are decoded in software as
+Triton's ``fp8e4b15`` to fp16 (same bits, exponent bias 15 instead of 7: the fp16 value is
+the e4m3 value * 2^-8, exact, subnormals included) and the dot runs in fp16 with fp32
+accumulation; the two 2^-8 factors come back as one exact * 2^16. On sm_89+ the bytes feed
+an fp8 dot directly. Every product is exact in both; only the fp32 summation order differs
+from DeepGEMM's, so results agree to fp32 rounding (tests/test_indexer_logits.py).
+
+e4m3 NaN codes (0x7F/0xFF) decode as NaN in the hardware variant and as +-480 in the
+software one; the indexer writers saturate at +-448 and never emit them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.deepinfer import arch, compile_gate
+
+# Index keys / queries of V4.1 and V4: 128 dims. Bytes per cache scale: one fp32.
+HEAD_DIM = 128
+SCALE_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsTile:
+    block_n: int           # keys per tile (dot N)
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int   # grid cap per row group: rows * programs ~ programs_per_sm * SMs
+    # Software decode (no hardware e4m3): Triton's fp8e4b15 conversion instead of the
+    # integer shift. Both exact on a GPU; the interpreter gets e4b15 subnormals wrong.
+    e4b15: bool = False
+
+
+# Starting point from the sm_80 compile gate (registers per thread, 64 heads x 128 dims):
+# 64 keys x 4 warps needs 168-254 registers (the [64, 128] key-pointer tensor alone is 64
+# per thread), 64 x 8 warps 128, 32 x 8 warps 80, 128 x 8 warps ~240. 64 keys over 8 warps
+# fits without spilling and moves 8 KiB of codes per tile, the size of the row's query.
+# benchmarks/suites/indexer_logits.py times the alternatives (TILE_SWEEP) on the GPU.
+_TILE = LogitsTile(block_n=64, num_warps=8, num_stages=2, programs_per_sm=8)
+TILES: dict[str, LogitsTile] = {v: _TILE for v in ("cpu", "sm80", "sm86", "sm89", "sm90", "sm100")}
+_INTERPRETER_SMS = 1
+
+
+@triton.jit
+def _to_dot_operand(x, HW_FP8: tl.constexpr, E4B15: tl.constexpr):
+    """uint8 e4m3 codes -> the dot's input type: fp8 on sm89+; below it fp16 holding the
+    value * 2^-8 — the 7 exponent+mantissa bits shifted into an fp16 (bias 15 against 7;
+    subnormals land on fp16 subnormals), by integer ops, or by Triton's fp8e4b15 -> fp16
+    conversion (the same bits; ``E4B15``)."""
+    if HW_FP8:
+        return x.to(tl.float8e4nv, bitcast=True)
+    elif E4B15:
+        return x.to(tl.float8e4b15, bitcast=True).to(tl.float16)
+    else:
+        xi = x.to(tl.int16)
+        return (((xi & 0x7F) << 7) | ((xi & 0x80) << 8)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr, kscale_ptr,
+                   bt_ptr, bt_stride, page_stride, block_size, next_n,
+                   H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
+                   BLOCK_N: tl.constexpr, PAGED: tl.constexpr, CTX_PER_ROW: tl.constexpr,
+                   HW_FP8: tl.constexpr, E4B15: tl.constexpr):
+    row = tl.program_id(1)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if PAGED:
+        req = row // next_n
+        if CTX_PER_ROW:
+            length = tl.load(end_ptr + row)
+        else:
+            length = tl.load(end_ptr + req) - next_n + 1 + row % next_n
+        start = 0
+    else:
+        req = 0
+        start = tl.load(start_ptr + row)
+        length = tl.load(end_ptr + row) - start
+    ntiles = tl.cdiv(length, BLOCK_N)
+    if pid < ntiles:
+        h = tl.arange(0, H_PAD)
+        d = tl.arange(0, D)
+        hmask = h < H
+        row64 = row.to(tl.int64)
+        q = tl.load(q_ptr + row64 * (H * D) + h[:, None] * D + d[None, :],
+                    mask=hmask[:, None], other=0)
+        q = _to_dot_operand(q, HW_FP8, E4B15)
+        w = tl.load(w_ptr + row64 * H + h, mask=hmask, other=0.0)
+        if not HW_FP8:
+            w = w * 65536.0  # both dot operands carry 2^-8 (fp8e4b15); exact
+        n = tl.arange(0, BLOCK_N)
+        out_row = out_ptr + row64 * out_stride
+        bt_row = bt_ptr + req.to(tl.int64) * bt_stride
+        for t in range(pid, ntiles, nprog):
+            col = t * BLOCK_N + n
+            valid = col < length
+            key = start + col
+            if PAGED:
+                page = tl.load(bt_row + key // block_size, mask=valid, other=0).to(tl.int64)
+                off = key % block_size
+                base = k_ptr + page * page_stride
+                codes = tl.load(base[:, None] + off[:, None] * D + d[None, :],
+                                mask=valid[:, None], other=0)
+                scale = tl.load((base + block_size * D + off * 4).to(tl.pointer_type(tl.float32)),
+                                mask=valid, other=0.0)
+            else:
+                key64 = key.to(tl.int64)
+                codes = tl.load(k_ptr + key64[:, None] * D + d[None, :], mask=valid[:, None],
+                                other=0)
+                scale = tl.load(kscale_ptr + key64, mask=valid, other=0.0)
+            k = _to_dot_operand(codes, HW_FP8, E4B15)
+            s = tl.dot(q, tl.trans(k))  # [H_PAD, BLOCK_N] fp32
+            logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * scale
+            tl.store(out_row + col, logit, mask=valid)
+
+
+# --------------------------------------------------------------------------- launchers
+_INDEX = (torch.int32,)
+
+
+def _need(ok: bool, name: str, what) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {what() if callable(what) else what}")
+
+
+def _as_codes(t: torch.Tensor, name: str) -> torch.Tensor:
+    _need(t.dtype in (torch.float8_e4m3fn, torch.uint8), name,
+          lambda: f"expected float8_e4m3fn (or its uint8 bytes), got {t.dtype}")
+    _need(t.is_contiguous(), name, "must be contiguous")
+    return t.view(torch.uint8)
+
+
+def _resolve(variant: str | None, tile: LogitsTile | None) -> tuple[LogitsTile, bool]:
+    name = arch.current().name if variant is None else variant
+    if name not in TILES:
+        raise ValueError(f"variant {name!r} is not one of {', '.join(TILES)}")
+    return tile or TILES[name], arch.VARIANTS[name].hw_fp8
+
+
+def _programs(tile: LogitsTile, rows: int, max_len: int, device: torch.device,
+              sm_count: int | None) -> int:
+    from vllm.deepinfer.kernels.kv_gather import sm_count_of
+    sms = sm_count if sm_count is not None else (
+        sm_count_of(device) if device.type == "cuda" else _INTERPRETER_SMS)
+    return max(1, min(triton.cdiv(max_len, tile.block_n),
+                      triton.cdiv(tile.programs_per_sm * sms, max(rows, 1))))
+
+
+def _check_q_w(q: torch.Tensor, weights: torch.Tensor, rows: int) -> tuple[int, int]:
+    heads, dim = q.shape[-2], q.shape[-1]
+    _need(dim == HEAD_DIM, "q", lambda: f"head dim {dim}, expected {HEAD_DIM}")
+    _need(1 <= heads <= 128, "q", lambda: f"{heads} heads, expected 1..128")
+    _need(weights.dtype == torch.float32 and weights.dim() == 2
+          and tuple(weights.shape) == (rows, heads) and weights.is_contiguous(), "weights",
+          lambda: f"expected contiguous fp32 [{rows}, {heads}], got {weights.dtype} "
+          f"{tuple(weights.shape)}")
+    return heads, dim
+
+
+def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
+               cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor, max_seqlen_k: int, *,
+               variant: str | None = None, sm_count: int | None = None,
+               tile: LogitsTile | None = None) -> torch.Tensor:
+    """DeepGEMM ``fp8_mqa_logits`` (FP8 path): fp32 [M, max_seqlen_k], row ``i`` holding keys
+    ``[ks[i], ke[i])`` from column 0 (see module doc). ``max_seqlen_k`` must bound
+    ``ke - ks``; it sizes the output and the grid. ``tile`` overrides the variant's tile."""
+    _need(q.dim() == 3, "q", lambda: f"expected [M, H, {HEAD_DIM}], got {tuple(q.shape)}")
+    rows = q.shape[0]
+    heads, dim = _check_q_w(q, weights, rows)
+    qb = _as_codes(q, "q")
+    _need(k.dim() == 2 and k.shape[1] == dim, "k", lambda: f"expected [N, {dim}], got {tuple(k.shape)}")
+    kb = _as_codes(k, "k")
+    if k_scale.dtype == torch.uint8:
+        k_scale = k_scale.view(torch.float32)
+    k_scale = k_scale.reshape(-1)
+    _need(k_scale.dtype == torch.float32 and k_scale.numel() == k.shape[0]
+          and k_scale.is_contiguous(), "k_scale",
+          lambda: f"expected {k.shape[0]} contiguous fp32 scales, got {k_scale.dtype} "
+          f"{k_scale.numel()}")
+    for name, t in (("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)):
+        _need(t.dtype in _INDEX and t.dim() == 1 and t.numel() == rows and t.is_contiguous(),
+              name, lambda t=t: f"expected contiguous int32 [{rows}], got {t.dtype} "
+              f"{tuple(t.shape)}")
+    for name, t in (("k", k), ("k_scale", k_scale), ("weights", weights),
+                    ("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)):
+        _need(t.device == q.device, name, lambda t=t: f"on {t.device}, q on {q.device}")
+    _need(max_seqlen_k >= 0, "max_seqlen_k", lambda: f"{max_seqlen_k} < 0")
+    out = torch.empty(rows, max_seqlen_k, dtype=torch.float32, device=q.device)
+    if rows == 0 or max_seqlen_k == 0:
+        return out
+    tile, hw_fp8 = _resolve(variant, tile)
+    grid = (_programs(tile, rows, max_seqlen_k, q.device, sm_count), rows)
+    _logits_kernel[grid](
+        out, out.stride(0), qb, weights, cu_seqlen_ks, cu_seqlen_ke, kb, k_scale,
+        cu_seqlen_ks, 0, 0, 1, 1,
+        H=heads, H_PAD=max(16, triton.next_power_of_2(heads)), D=dim, BLOCK_N=tile.block_n,
+        PAGED=False, CTX_PER_ROW=False, HW_FP8=hw_fp8, E4B15=tile.e4b15, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    return out
+
+
+def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                     context_lens: torch.Tensor, block_table: torch.Tensor, max_model_len: int,
+                     *, variant: str | None = None, sm_count: int | None = None,
+                     tile: LogitsTile | None = None) -> torch.Tensor:
+    """DeepGEMM ``fp8_paged_mqa_logits`` (FP8 path): fp32 [B * next_n, max_model_len] over
+    the paged index-K cache (see module doc). ``max_model_len`` must bound every context
+    length (as DeepGEMM requires). ``tile`` overrides the variant's tile (benchmarks)."""
+    _need(q.dim() == 4, "q", lambda: f"expected [B, next_n, H, {HEAD_DIM}], got {tuple(q.shape)}")
+    batch, next_n = q.shape[0], q.shape[1]
+    rows = batch * next_n
+    heads, dim = _check_q_w(q, weights, rows)
+    qb = _as_codes(q, "q")
+    if kv_cache.dim() == 4:  # DeepGEMM's [num_blocks, block_size, 1, D + 4] view
+        _need(kv_cache.shape[2] == 1, "kv_cache", lambda: f"4-D cache must have one head, got "
+              f"{tuple(kv_cache.shape)}")
+        kv_cache = kv_cache.squeeze(2)
+    _need(kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3
+          and kv_cache.shape[2] == dim + SCALE_BYTES, "kv_cache",
+          lambda: f"expected uint8 [num_blocks, block_size, {dim + SCALE_BYTES}], got "
+          f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+    block_size = kv_cache.shape[1]
+    _need(kv_cache.stride(2) == 1 and kv_cache.stride(1) == dim + SCALE_BYTES
+          and (kv_cache.shape[0] <= 1 or kv_cache.stride(0) >= block_size * (dim + SCALE_BYTES)),
+          "kv_cache", lambda: f"pages must be contiguous, got strides {kv_cache.stride()}")
+    shape = tuple(context_lens.shape)
+    per_row = next_n > 1 and shape == (batch, next_n)
+    _need(context_lens.dtype in _INDEX and context_lens.is_contiguous()
+          and (per_row or shape == (batch,) or (next_n == 1 and shape == (batch, 1))),
+          "context_lens", lambda: f"expected contiguous int32 [{batch}] or [{batch}, {next_n}], got "
+          f"{context_lens.dtype} {shape}")
+    _need(block_table.dtype in _INDEX and block_table.dim() == 2
+          and block_table.shape[0] >= batch and block_table.shape[1] >= 1
+          and block_table.stride(1) == 1, "block_table",
+          lambda: f"expected int32 [>= {batch}, max_blocks] with contiguous rows, got "
+          f"{block_table.dtype} {tuple(block_table.shape)}")
+    for name, t in (("kv_cache", kv_cache), ("weights", weights),
+                    ("context_lens", context_lens), ("block_table", block_table)):
+        _need(t.device == q.device, name, lambda t=t: f"on {t.device}, q on {q.device}")
+    _need(max_model_len >= 0, "max_model_len", lambda: f"{max_model_len} < 0")
+    out = torch.empty(rows, max_model_len, dtype=torch.float32, device=q.device)
+    if rows == 0 or max_model_len == 0:
+        return out
+    tile, hw_fp8 = _resolve(variant, tile)
+    grid = (_programs(tile, rows, max_model_len, q.device, sm_count), rows)
+    _logits_kernel[grid](
+        out, out.stride(0), qb, weights, context_lens, context_lens, kv_cache, kv_cache,
+        block_table, block_table.stride(0), kv_cache.stride(0), block_size, next_n,
+        H=heads, H_PAD=max(16, triton.next_power_of_2(heads)), D=dim, BLOCK_N=tile.block_n,
+        PAGED=True, CTX_PER_ROW=per_row, HW_FP8=hw_fp8, E4B15=tile.e4b15,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return out
+
+
+# --------------------------------------------------------------------------- compile gate
+_SIGNATURE = {
+    "out_ptr": "*fp32", "out_stride": "i32", "q_ptr": "*u8", "w_ptr": "*fp32",
+    "start_ptr": "*i32", "end_ptr": "*i32", "k_ptr": "*u8", "kscale_ptr": "*fp32",
+    "bt_ptr": "*i32", "bt_stride": "i32", "page_stride": "i32", "block_size": "i32",
+    "next_n": "i32", "H": "constexpr", "H_PAD": "constexpr", "D": "constexpr",
+    "BLOCK_N": "constexpr", "PAGED": "constexpr", "CTX_PER_ROW": "constexpr",
+    "HW_FP8": "constexpr", "E4B15": "constexpr",
+}
+
+
+def _register() -> None:
+    # V4.1/V4 indexers: 64 heads x 128 dims; decode (paged, one length per request or per
+    # row) and prefill (gathered keys).
+    for v in ("sm80", "sm90"):
+        tile = TILES[v]
+        for paged, per_row in ((True, False), (True, True), (False, False)):
+            tag = "paged" + (".per_row" if per_row else "") if paged else "flat"
+            compile_gate.register(compile_gate.GateSpec(
+                name=f"indexer_logits.{tag}[{v}]", kernel=_logits_kernel, signature=_SIGNATURE,
+                constexprs={"H": 64, "H_PAD": 64, "D": HEAD_DIM, "BLOCK_N": tile.block_n,
+                            "PAGED": paged, "CTX_PER_ROW": per_row,
+                            "HW_FP8": arch.VARIANTS[v].hw_fp8, "E4B15": tile.e4b15},
+                variants=(v,), num_warps=tile.num_warps, num_stages=tile.num_stages,
+                feature="indexer_logits"))
+
+
+_register()
