@@ -15,7 +15,7 @@ Shapes (64 heads x 128 dims, 128-token pages as off SM90):
   row i seeing keys [0, N - M + i + 1) (causal, ratio 1).
 Variants: ``sm80`` (integer decode to fp16, what SM80/SM86 run), ``sm80-e4b15`` (Triton's
 fp8e4b15 conversion instead), ``sm90`` (hardware e4m3 dot, what SM89 runs). ``TILE_SWEEP``
-times other tiles of the sm80 decode at the B = 64, L = 8192 decode and the prefill shape.
+times other tiles of the sm80 variant (each with both software decodes) at the B = 64, L = 8192 decode and the prefill shape.
 
 ``bytes``: decode = rows x L x (128 + 4) key bytes + rows x L x 4 logit bytes (+ queries);
 prefill = the N keys once + every valid logit written. ``flops`` = 2 x 64 x 128 per
@@ -85,6 +85,13 @@ def _paged_keys(x, b):
     return keys, sc
 
 
+def _sweep():
+    """Other sm80 tiles, with the integer decode and with fp8e4b15."""
+    return [(dataclasses.replace(il.TILES["sm80"], block_n=bn, num_warps=nw, e4b15=e4),
+             f"-bn{bn}w{nw}" + ("-e4b15" if e4 else "")) for bn, nw in TILE_SWEEP
+            for e4 in (False, True)]
+
+
 VARIANTS = [("sm80", None), ("sm80-e4b15", dataclasses.replace(il.TILES["sm80"], e4b15=True)),
             ("sm90", None)]
 
@@ -100,8 +107,7 @@ def run(h: Harness) -> None:
             variant = name.split("-")[0]
             tiles = [(tile, "")]
             if name == "sm80" and (B, L) == (64, 8192):
-                tiles += [(dataclasses.replace(il.TILES["sm80"], block_n=bn, num_warps=nw),
-                           f"-bn{bn}w{nw}") for bn, nw in TILE_SWEEP]
+                tiles += _sweep()
             for t, tag in tiles:
                 def launch(x, t=t, variant=variant):
                     return il.paged_mqa_logits(x["q"], x["cache"], x["w"], x["ctx"], x["table"],
@@ -125,8 +131,7 @@ def run(h: Harness) -> None:
         variant = name.split("-")[0]
         tiles = [(tile, "")]
         if name == "sm80":
-            tiles += [(dataclasses.replace(il.TILES["sm80"], block_n=bn, num_warps=nw),
-                       f"-bn{bn}w{nw}") for bn, nw in TILE_SWEEP]
+            tiles += _sweep()
         for t, tag in tiles:
             def launch(x, t=t, variant=variant):
                 return il.mqa_logits(x["q"], x["k"], x["s"], x["w"], x["ks"], x["ke"], N,

@@ -23,13 +23,13 @@ kernels read only each row's valid prefix).
 
 Kernel (one per variant, ``HW_FP8`` constexpr): grid (programs per row, rows). A program
 keeps its row's query [H, D] in registers and walks BLOCK_N-key tiles ``pid, pid + P, ...``
-of the row's keys: one [H, D] x [D, BLOCK_N] tensor-core dot per tile, relu, the weighted sum
-over heads, times the keys' scales. Below sm_89 the e4m3 bytes are decoded in software as
-Triton's ``fp8e4b15`` to fp16 (same bits, exponent bias 15 instead of 7: the fp16 value is
-the e4m3 value * 2^-8, exact, subnormals included) and the dot runs in fp16 with fp32
-accumulation; the two 2^-8 factors come back as one exact * 2^16. On sm_89+ the bytes feed
-an fp8 dot directly. Every product is exact in both; only the fp32 summation order differs
-from DeepGEMM's, so results agree to fp32 rounding (tests/test_indexer_logits.py).
+of the row's keys: one [BLOCK_N, D] x [D, H] fp16 tensor-core dot per tile with fp32
+accumulation (keys on the M side, so the weighted head sum stays inside a warp), relu, the
+weighted sum over heads, times the keys' scales. e4m3 -> fp16 is exact: by the hardware
+conversion on sm_89+; below it in software, as the value * 2^-8 (see ``_to_fp16``), the two
+2^-8 factors coming back as one exact * 2^16. Every product is exact; only the fp32
+summation order differs from DeepGEMM's, so results agree to fp32 rounding
+(tests/test_indexer_logits.py).
 
 e4m3 NaN codes (0x7F/0xFF) decode as NaN in the hardware variant and as +-480 in the
 software one; the indexer writers saturate at +-448 and never emit them.
@@ -71,13 +71,15 @@ _INTERPRETER_SMS = 1
 
 
 @triton.jit
-def _to_dot_operand(x, HW_FP8: tl.constexpr, E4B15: tl.constexpr):
-    """uint8 e4m3 codes -> the dot's input type: fp8 on sm89+; below it fp16 holding the
-    value * 2^-8 — the 7 exponent+mantissa bits shifted into an fp16 (bias 15 against 7;
-    subnormals land on fp16 subnormals), by integer ops, or by Triton's fp8e4b15 -> fp16
-    conversion (the same bits; ``E4B15``)."""
+def _to_fp16(x, HW_FP8: tl.constexpr, E4B15: tl.constexpr):
+    """uint8 e4m3 codes -> fp16 for the dot. With ``HW_FP8`` the hardware conversion (exact
+    value); below sm_89 the value * 2^-8: the 7 exponent+mantissa bits shifted into an fp16
+    (bias 15 against 7; subnormals land on fp16 subnormals) by integer ops, or by Triton's
+    fp8e4b15 -> fp16 conversion of the same bits (``E4B15``). An fp8 dot is not used on
+    sm_89+: Triton's Hopper fp8 dot accumulates with reduced precision by default (the
+    suite measured ~1e-3 relative error), the fp16 dot accumulates in fp32."""
     if HW_FP8:
-        return x.to(tl.float8e4nv, bitcast=True)
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     elif E4B15:
         return x.to(tl.float8e4b15, bitcast=True).to(tl.float16)
     else:
@@ -113,10 +115,10 @@ def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr,
         row64 = row.to(tl.int64)
         q = tl.load(q_ptr + row64 * (H * D) + h[:, None] * D + d[None, :],
                     mask=hmask[:, None], other=0)
-        q = _to_dot_operand(q, HW_FP8, E4B15)
+        q = _to_fp16(q, HW_FP8, E4B15)
         w = tl.load(w_ptr + row64 * H + h, mask=hmask, other=0.0)
         if not HW_FP8:
-            w = w * 65536.0  # both dot operands carry 2^-8 (fp8e4b15); exact
+            w = w * 65536.0  # both dot operands carry 2^-8 (see _to_fp16); exact
         n = tl.arange(0, BLOCK_N)
         out_row = out_ptr + row64 * out_stride
         bt_row = bt_ptr + req.to(tl.int64) * bt_stride
@@ -137,9 +139,10 @@ def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr,
                 codes = tl.load(k_ptr + key64[:, None] * D + d[None, :], mask=valid[:, None],
                                 other=0)
                 scale = tl.load(kscale_ptr + key64, mask=valid, other=0.0)
-            k = _to_dot_operand(codes, HW_FP8, E4B15)
-            s = tl.dot(q, tl.trans(k))  # [H_PAD, BLOCK_N] fp32
-            logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * scale
+            k = _to_fp16(codes, HW_FP8, E4B15)
+            # Keys on the dot's M side, heads on N: the head sum stays inside a warp.
+            s = tl.dot(k, tl.trans(q))  # [BLOCK_N, H_PAD] fp32
+            logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
             tl.store(out_row + col, logit, mask=valid)
 
 
