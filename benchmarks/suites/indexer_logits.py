@@ -32,7 +32,7 @@ from harness import Harness
 from vllm.deepinfer.kernels import indexer_logits as il
 
 H, D, PAGE = 64, il.HEAD_DIM, 128
-TILE_SWEEP = [(32, 8), (64, 4), (128, 8)]  # (block_n, num_warps) besides the default
+TILE_SWEEP = [(32, 8), (64, 8), (128, 8)]  # (block_n, num_warps) besides the default (64, 4)
 
 
 def _codes(shape, dev):

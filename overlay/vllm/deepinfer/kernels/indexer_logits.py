@@ -60,12 +60,14 @@ class LogitsTile:
     e4b15: bool = False
 
 
-# Starting point from the sm_80 compile gate (registers per thread, 64 heads x 128 dims):
-# 64 keys x 4 warps needs 168-254 registers (the [64, 128] key-pointer tensor alone is 64
-# per thread), 64 x 8 warps 128, 32 x 8 warps 80, 128 x 8 warps ~240. 64 keys over 8 warps
-# fits without spilling and moves 8 KiB of codes per tile, the size of the row's query.
-# benchmarks/suites/indexer_logits.py times the alternatives (TILE_SWEEP) on the GPU.
-_TILE = LogitsTile(block_n=64, num_warps=8, num_stages=2, programs_per_sm=8)
+# Measured on the H200 (benchmarks/results/h200-2026-11-29-indexer-logits.json, GPU time
+# from CUDA graphs, sm80 variant): of [32, 64, 128] keys x [4, 8] warps, 64 keys x 4 warps
+# was fastest — decode 64 rows x 8192 keys 62.0 us (8 warps: 98.3; 32 x 8: 126.8; 128 x 8:
+# 65.9), prefill 2048 rows x 8192 keys 850 us (8 warps: 1563; 128 x 8: 929). The fp8e4b15
+# conversion was within 3% of the integer shift either way, so the exact-everywhere shift
+# stays (the interpreter mis-converts e4b15 subnormals). sm_80 compile gate: 165 registers
+# per thread, 24 KiB shared memory.
+_TILE = LogitsTile(block_n=64, num_warps=4, num_stages=2, programs_per_sm=8)
 TILES: dict[str, LogitsTile] = {v: _TILE for v in ("cpu", "sm80", "sm86", "sm89", "sm90", "sm100")}
 _INTERPRETER_SMS = 1
 
