@@ -31,6 +31,10 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # sparse needs 9.x/10.x, FlashInfer sparse 10.x/12.x), hence on for sm89 too.
     # vllm.deepinfer.attention.selector routes _select_dsv4_attn_cls on it.
     Feature("ampere_attn", _AMPERE | {"sm89"}, "Ampere DeepSeek-V4.1/V4 attention path"),
+    # DeepGEMM (upstream's only CUDA indexer logits) is built for SM90/SM100: below 9.0 the
+    # sparse indexer has no scorer without ours, hence on for sm89 too.
+    Feature("indexer_logits", _AMPERE | {"sm89"},
+            "sparse-indexer MQA logits without DeepGEMM (fp8_fp4_[paged_]mqa_logits)"),
 )}
 
 

@@ -92,6 +92,36 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
                 inv_rope_cos_sin_cache=inv_rope_cos_sin_cache)
 
 
+# ----------------------------------------------------------------------------- indexer logits
+# vllm.utils.deep_gemm's two MQA-logits entry points (patch 0015) ask here first. Ours covers
+# their FP8 path: Q as (e4m3 values, None) with the per-token scale folded into fp32
+# weights, fp32 key scales. MXFP4 Q/K, MX (UE8M0-packed) scales and SM100's varlen
+# ``indices`` stay DeepGEMM's.
+def _fp8_q(q) -> bool:
+    return (isinstance(q, tuple) and len(q) == 2 and q[1] is None
+            and q[0].dtype == torch.float8_e4m3fn)
+
+
+def mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k: int):
+    """Our ``fp8_fp4_mqa_logits`` result, or None (DeepGEMM's call)."""
+    if not _fp8_q(q) or kv[1].dtype != torch.float32 or not use("indexer_logits"):
+        return None
+    from vllm.deepinfer.kernels.indexer_logits import mqa_logits as ours
+    return ours(q[0], kv[0], kv[1], weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
+
+
+def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_model_len: int,
+                     indices=None):
+    """Our ``fp8_fp4_paged_mqa_logits`` result, or None (DeepGEMM's call). The schedule
+    metadata DeepGEMM plans is not needed (our grid is sized per call)."""
+    if indices is not None or not _fp8_q(q) or weights.dtype != torch.float32:
+        return None
+    if not use("indexer_logits"):
+        return None
+    from vllm.deepinfer.kernels.indexer_logits import paged_mqa_logits as ours
+    return ours(q[0], kv_cache, weights, context_lens, block_tables, max_model_len)
+
+
 # ----------------------------------------------------------------------------- fp8 writers
 # Upstream's fp8 writers (Triton kernels that cast to float8_e4m3fn) do not compile below
 # sm_89. With the ``fp8_sw`` feature on (default: sm80/sm86) each upstream writer function
