@@ -330,9 +330,19 @@ def test_ampere_decode_refuses_upstream_fp8_fallback(built, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_ampere_indexer_scoring_not_implemented(built, model):
-    err, msg = _error(built, f"{model}/indexer_scoring")
-    assert err == "NotImplementedError" and "not implemented yet" in msg
+def test_ampere_indexer_scoring_is_upstreams_op(built, model):
+    """Scoring is upstream's sparse_attn_indexer (logits routed by patch 0015); the padded
+    decode layout, whose fp8 Q packing cannot compile below sm_89, is refused up front."""
+    v = _value(built, f"{model}/indexer_scoring")
+    assert v["uniform"] == "upstream" and v["delegated_to_self"] is True
+    for case in ("padded", "ragged"):
+        assert v[case].startswith("NotImplementedError") and "padded decode" in v[case]
+
+
+def test_patched_deep_gemm_logits_route_to_ours(writers):
+    v = _value(writers, "writers.deep_gemm_logits")
+    assert v["paged_equal"] is True and v["flat_equal"] is True
+    assert v["mx_call"] != "ours" and "DeepGEMM" in v["mx_call"], v["mx_call"]
 
 
 # --------------------------------------------------------------------------- fp8 writers

@@ -310,14 +310,36 @@ def _forward_checks(model: str, built: dict, vcfg) -> None:
     if layer.indexer is not None or any(b.indexer is not None for b in built.values()):
         idx_layer = next(b for b in built.values() if b.indexer is not None)
 
-        def scoring_refuses():
-            md = {idx_layer.indexer.k_cache.prefix: SimpleNamespace()}
-            c = ForwardContext(no_compile_layers={}, attn_metadata=md, slot_mapping={})
-            with set_current_vllm_config(vcfg), override_forward_context(c):
-                idx_layer.indexer.indexer_op(torch.zeros(n, 8), torch.zeros(n, 4, 128), None,
-                                             torch.zeros(n, 4))
-            return "no error"
-        record(f"{model}/indexer_scoring", scoring_refuses)
+        def scoring():
+            """A uniform decode step reaches upstream's op (SparseAttnIndexer.forward_cuda,
+            recorded here instead of run: its kernels need a GPU); a padded decode layout
+            is refused before any kernel."""
+            from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+            op = idx_layer.indexer.indexer_op
+            seen = []
+            orig = SparseAttnIndexer.forward_cuda
+            SparseAttnIndexer.forward_cuda = lambda self, *a: seen.append(self) or "upstream"
+            out = {}
+            try:
+                for name, pad, tokens in (("uniform", False, 4), ("padded", True, 4),
+                                          ("ragged", False, 3)):
+                    decode = SimpleNamespace(requires_padding=pad,
+                                             decode_lens=torch.ones(2, dtype=torch.int32))
+                    md = {op.k_cache.prefix: SimpleNamespace(num_decodes=2,
+                                                             num_decode_tokens=tokens,
+                                                             decode=decode)}
+                    c = ForwardContext(no_compile_layers={}, attn_metadata=md, slot_mapping={})
+                    try:
+                        with set_current_vllm_config(vcfg), override_forward_context(c):
+                            out[name] = op(torch.zeros(n, 8), torch.zeros(n, 4, 128), None,
+                                           torch.zeros(n, 4))
+                    except NotImplementedError as e:
+                        out[name] = "NotImplementedError: " + str(e)
+            finally:
+                SparseAttnIndexer.forward_cuda = orig
+            out["delegated_to_self"] = len(seen) == 1 and seen[0] is op
+            return out
+        record(f"{model}/indexer_scoring", scoring)
 
 
 # --------------------------------------------------------------------------- writers
@@ -447,6 +469,46 @@ def scenario_writers() -> None:
         return {"registered": ok, "entries": len(reg),
                 "kernels": sorted({k.kernel for k in keys}), "keys": len(keys)}
 
+    def deep_gemm_logits():
+        """Patch 0015: vllm.utils.deep_gemm's MQA-logits entry points return our kernel's
+        logits for FP8 calls; an MX call (bf16 weights, SM100) still goes to DeepGEMM
+        (absent here, so upstream's 'DeepGEMM backend is not available' error)."""
+        from vllm.deepinfer.kernels import indexer_logits as il
+        from vllm.utils import deep_gemm
+        g = torch.Generator().manual_seed(3)
+
+        def codes(*shape):
+            b = torch.randint(0, 256, shape, generator=g, dtype=torch.int32)
+            return torch.where((b & 0x7F) == 0x7F, b - 1, b).to(torch.uint8)
+        q = codes(2, 1, 4, 128).view(torch.float8_e4m3fn)
+        cache = codes(3, 64, 132)
+        cache.view(3, -1)[:, 64 * 128:] = torch.full((3, 64), 0.5).view(torch.uint8)
+        w = torch.randn(2, 4, generator=g)
+        ctx = torch.tensor([70, 5], dtype=torch.int32)
+        bt = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
+        got = deep_gemm.fp8_fp4_paged_mqa_logits((q, None), cache.unsqueeze(2), w, ctx, bt,
+                                                 None, 80)
+        want = il.paged_mqa_logits(q, cache, w, ctx, bt, 80, variant="sm80")
+        paged_equal = all(torch.equal(got[r, :n].view(torch.int32), want[r, :n].view(torch.int32))
+                          for r, n in enumerate((70, 5)))
+        qf = codes(3, 4, 128).view(torch.float8_e4m3fn)
+        k, ks = codes(50, 128).view(torch.float8_e4m3fn), torch.rand(50, generator=g) + 0.5
+        wf = torch.randn(3, 4, generator=g)
+        s0 = torch.tensor([0, 0, 20], dtype=torch.int32)
+        s1 = torch.tensor([1, 20, 50], dtype=torch.int32)
+        got = deep_gemm.fp8_fp4_mqa_logits((qf, None), (k, ks), wf, s0, s1, 30)
+        want = il.mqa_logits(qf, k, ks, wf, s0, s1, 30, variant="sm80")
+        flat_equal = all(torch.equal(got[r, :n].view(torch.int32), want[r, :n].view(torch.int32))
+                         for r, n in enumerate((1, 20, 30)))
+        try:
+            deep_gemm.fp8_fp4_paged_mqa_logits((q, None), cache.unsqueeze(2), w.bfloat16(), ctx,
+                                               bt, None, 80)
+            mx = "ours"
+        except Exception as e:  # DeepGEMM's missing-backend error
+            mx = type(e).__name__ + ": " + str(e)[:80]
+        return {"paged_equal": paged_equal, "flat_equal": flat_equal, "mx_call": mx}
+
+    record("writers.deep_gemm_logits", deep_gemm_logits)
     record("writers.v41_rope_quant_insert", v41_insert)
     record("writers.v41_indexer_k_store", v41_indexer_k)
     record("writers.v4_indexer_q", v4_indexer_q)

@@ -7,15 +7,11 @@ from the metadata builder). Ported from ``models/deepseek_v4/amd/rocm.py`` (not 
 """
 from __future__ import annotations
 
-import torch
-
 from vllm.deepinfer.attention.common import (
     AmpereAttentionMixin,
     DeepinferAmpereSparseAttnIndexer,
     NoTileSchedulerMixin,
-    not_implemented,
 )
-from vllm.forward_context import get_forward_context
 from vllm.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4Indexer
 from vllm.models.deepseek_v4.sparse_mla import (
     DeepseekV4SparseMLABackend,
@@ -56,33 +52,19 @@ class DeepinferAmpereV4MLASparseBackend(DeepseekV4SparseMLABackend):
 
 
 class DeepinferAmpereV4Indexer(DeepseekV4Indexer):
-    """V4 C4A indexer without DeepGEMM. Short contexts (every compressed token fits the
-    top-k) run upstream's own "select all" path; longer ones raise NotImplementedError
-    before the fp8 Q quant. The profile run skips the Q side and the indexer's
-    compressor, which would compile fp8e4nv Triton kernels (see docs/ampere-path.md)."""
+    """V4 C4A indexer without DeepGEMM: upstream's forward (wq_b, the Q quant and the
+    indexer compressor, which patches 0008/0009 route to our fp8-free writers), scored by
+    ``DeepinferAmpereSparseAttnIndexer`` (logits from our kernel). The profile run is
+    upstream's too, so the indexer reserves its workspace and logits memory as upstream
+    does."""
 
     def _get_attn_cls(self):
         return DeepinferAmpereSparseAttnIndexer
 
     def _register_q_quant_warmup(self) -> None:
         # Upstream registers the fp8 (or MXFP4) Triton Q-quant warmup; it cannot compile
-        # below sm_89 and the Ampere path does not run it.
+        # below sm_89, and on the Ampere path the Q quant is our writer (patch 0009).
         return None
-
-    def forward(self, hidden_states, qr, compressed_kv_score, indexer_weights, positions,
-                rotary_emb, qr_scale=None, skip_compressor: bool = False):
-        attn_metadata = get_forward_context().attn_metadata
-        if not isinstance(attn_metadata, dict):
-            return None, None, None
-        im = attn_metadata[self.k_cache.prefix]
-        short = (im.max_seq_len // self.compress_ratio <= self.topk_tokens
-                 and not torch.cuda.is_current_stream_capturing())
-        if not short:
-            raise not_implemented(
-                "the V4 C4A sparse indexer without DeepGEMM for contexts longer than "
-                f"{self.topk_tokens} * {self.compress_ratio} tokens")
-        return super().forward(hidden_states, qr, compressed_kv_score, indexer_weights,
-                               positions, rotary_emb, qr_scale, skip_compressor)
 
 
 class DeepinferAmpereV4Attention(AmpereAttentionMixin, DeepseekV4Attention):

@@ -15,7 +15,6 @@ from vllm.deepinfer.attention.common import (
     DeepinferAmpereSparseAttnIndexer,
     NoSparseMQAIndexer,
     NoTileSchedulerMixin,
-    indexer_forward_q_guard,
     not_implemented,
 )
 from vllm.forward_context import get_forward_context
@@ -70,7 +69,8 @@ class DeepinferAmpereV41MLASparseBackend(DeepseekV4SparseMLABackend):
 class DeepinferAmpereV41Indexer(DeepseekV4Indexer):
     """V4.1 indexer without DeepGEMM: the index-K store goes through our fp8-free writer
     (``kernels.fp8_writers_v41``) where the ``fp8_sw`` feature is on; scoring is
-    ``DeepinferAmpereSparseAttnIndexer`` (short contexts only, see there)."""
+    ``DeepinferAmpereSparseAttnIndexer`` (upstream's op, logits from our kernel). The Q side
+    is upstream's (wq_b, then the Q quant patch 0009 routes to our fp8-free writer)."""
 
     mqa_cls = NoSparseMQAIndexer
     attn_cls = DeepinferAmpereSparseAttnIndexer
@@ -89,13 +89,6 @@ class DeepinferAmpereV41Indexer(DeepseekV4Indexer):
             k_pre, positions, rotary_emb.cos_sin_cache, self.k_norm.weight,
             self.k_norm.variance_epsilon, self.k_cache.kv_cache,
             indexer_metadata.slot_mapping, self.compress_ratio, self.use_fp4_kv)
-
-    def forward_q(self, qr, qr_scale, indexer_weights, positions, rotary_emb):
-        if not isinstance(get_forward_context().attn_metadata, dict):
-            # Profile run: the Q side only feeds the scoring op, which has nothing to do.
-            return None, None, None
-        indexer_forward_q_guard(self)
-        return super().forward_q(qr, qr_scale, indexer_weights, positions, rotary_emb)
 
 
 class DeepinferAmpereV41Attention(AmpereAttentionMixin, DeepseekV4Attention):

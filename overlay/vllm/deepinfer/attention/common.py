@@ -15,6 +15,9 @@ the series, from ``vllm.deepinfer.kernels``:
 * o_proj: bf16 einsum against wo_a dequantized once at weight-loading time
   (``rocm_inv_rope_einsum``), then wo_b.
 
+The indexer's logits come from ``vllm.deepinfer.kernels.indexer_logits`` through patch
+0015 (upstream's ``sparse_attn_indexer`` op itself is unchanged).
+
 Nothing here may be silently wrong: a path that is not implemented raises
 ``NotImplementedError`` naming what is missing (docs/ampere-path.md lists them).
 """
@@ -66,12 +69,14 @@ class NoTileSchedulerMixin:
 class DeepinferAmpereSparseAttnIndexer(SparseAttnIndexer):
     """The indexer's scoring op without DeepGEMM.
 
-    Built and called as upstream's ``SparseAttnIndexer`` is, but its constructor skips the
-    "requires DeepGEMM" gate and the fp8 pack-kernel warmups (fp8e4nv does not compile
-    below sm_89). Scoring (fp8 MQA logits over the paged index-K cache + per-row top-k) is
-    not implemented yet: a real step raises NotImplementedError; the profile run (no
-    metadata) returns the top-k buffer untouched. Short contexts never get here: the
-    indexer fills "every candidate" top-k itself when max_seq_len // ratio <= top-k.
+    Built as upstream's ``SparseAttnIndexer`` is, but its constructor skips the "requires
+    DeepGEMM" gate and the fp8 pack-kernel warmups (fp8e4nv does not compile below sm_89).
+    Scoring is upstream's own ``sparse_attn_indexer`` custom op, unchanged: its two DeepGEMM
+    calls (``fp8_fp4_mqa_logits``, ``fp8_fp4_paged_mqa_logits``) are routed by patch 0015
+    to ``vllm.deepinfer.kernels.indexer_logits``; the K gather, the candidate-block masks
+    and the per-row top-k are upstream's (CUDA C++ ops and fp32 Triton, no fp8 type).
+    Refused up front: the padded decode layout (spec decode, or a short prefill counted as
+    decode), whose Q packing is an fp8 Triton kernel.
     """
 
     def __init__(self, k_cache, quant_block_size: int, scale_fmt: str, topk_tokens: int,
@@ -113,29 +118,30 @@ class DeepinferAmpereSparseAttnIndexer(SparseAttnIndexer):
                                   "e2m1 conversion needs sm_100)")
 
     def _score(self, hidden_states, q_quant, k, weights):
-        if not isinstance(get_forward_context().attn_metadata, dict):
-            return self.topk_indices_buffer  # profile / dummy run: nothing to score
-        raise not_implemented(
-            "the sparse indexer's scoring without DeepGEMM (fp8 MQA logits over the paged "
-            "index-K cache and per-row top-k) for contexts longer than "
-            f"{self.topk_tokens} * compress_ratio {self.compress_ratio} tokens")
+        attn_metadata = get_forward_context().attn_metadata
+        if isinstance(attn_metadata, dict):
+            self._refuse_padded_decode(attn_metadata[self.k_cache.prefix])
+        return SparseAttnIndexer.forward_cuda(self, hidden_states, q_quant, k, weights)
+
+    @staticmethod
+    def _refuse_padded_decode(md) -> None:
+        """Upstream packs decode Q rows with ``pack_seq_triton`` when the decode batch is
+        not uniform; for an e4m3 Q that kernel loads fp8e4nv, which does not compile below
+        sm_89. The condition is upstream's, evaluated from host-side metadata."""
+        decode = getattr(md, "decode", None)
+        if getattr(md, "num_decodes", 0) <= 0 or decode is None:
+            return
+        n = md.num_decode_tokens
+        if decode.requires_padding or (n and n % decode.decode_lens.shape[0] != 0):
+            raise not_implemented(
+                "the sparse indexer's padded decode layout (speculative decoding, or a "
+                "short prefill chunk counted as decode)")
 
     forward_native = _score
     forward_cuda = _score
     forward_hip = _score
     forward_cpu = _score
     forward_xpu = _score
-
-
-def indexer_forward_q_guard(indexer) -> None:
-    """The indexer's Q side (wq_b + fp8 Q quant) feeds only the scoring op above. On a real
-    step with a long context it would fail inside an fp8 Triton compile on SM80 before the
-    clear message of ``_score``; raise that message first."""
-    if isinstance(get_forward_context().attn_metadata, dict):
-        raise not_implemented(
-            "the sparse indexer's query side and scoring without DeepGEMM for contexts "
-            f"longer than {indexer.topk_tokens} * compress_ratio {indexer.compress_ratio} "
-            "tokens")
 
 
 class NoSparseMQAIndexer:
