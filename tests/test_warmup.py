@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm.deepinfer import warmup as wu
+from vllm.deepinfer.kernels import indexer_logits as il
 from vllm.deepinfer.kernels import kv_gather as kg
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
 from vllm.deepinfer.kernels import topk_swa as ts
@@ -53,6 +54,17 @@ def test_keys_are_the_launchers_configurations(variant):
     assert any(k.kernel == "decode_reduce" for k in got)
 
 
+@pytest.mark.parametrize("variant", ["sm80", "sm90"])
+def test_indexer_logits_keys(variant):
+    v41 = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
+    got = [k for k in wu.keys(v41, variant, features=["indexer_logits"])]
+    assert {k.constexprs for k in got} == {tuple(sorted(c.items()))
+                                           for c in il.compile_constexprs(variant)}
+    assert all(dict(k.constexprs)["HW_FP8"] is (variant == "sm90") for k in got)
+    swa_only = wu.ModelShapes(window=128, compress_ratios=(0,), topk=0, heads=64)
+    assert wu.keys(swa_only, variant, features=["indexer_logits"]) == []
+
+
 def test_env_switch_drops_a_feature(monkeypatch):
     shapes = wu.ModelShapes(window=128, compress_ratios=(1,), topk=512, heads=64)
     monkeypatch.setenv("DEEPINFER_DISABLE", "kv_gather")
@@ -74,18 +86,19 @@ def test_warmup_args_follow_the_signature():
 
 @pytest.mark.gpu
 def test_warmed_kernels_are_not_compiled_again_on_launch():
-    """Compile the gather and combiner keys of a V4.1 model, then launch both at model
-    shapes: Triton's cache for each kernel must not grow (the launch found its binary)."""
+    """Compile the gather, combiner and indexer-logits keys of a V4.1 model, then launch
+    them at model shapes: Triton's cache for each kernel must not grow (the launch found its binary)."""
     dev = torch.device("cuda")
     variant = "sm90" if torch.cuda.get_device_capability() >= (8, 9) else "sm80"
     shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
-    for key in wu.keys(shapes, variant, features=["kv_gather", "topk_swa"]):
+    for key in wu.keys(shapes, variant, features=["kv_gather", "topk_swa", "indexer_logits"]):
         wu.compile_key(key)
 
     def cache_size(kernel):
         return sum(len(c[0]) for c in kernel.device_caches.values())
 
-    before = (cache_size(kg._gather_kernel), cache_size(ts._combine_kernel))
+    before = (cache_size(kg._gather_kernel), cache_size(ts._combine_kernel),
+              cache_size(il._logits_kernel))
     bs, max_blocks = 64, 16 * 4
     cache = torch.zeros(40, bs, 584, dtype=torch.uint8, device=dev)
     out = torch.zeros(2, 256, 512, dtype=torch.bfloat16, device=dev)
@@ -97,5 +110,14 @@ def test_warmed_kernels_are_not_compiled_again_on_launch():
     for ratio in (0, 1, 2):
         ts.combine_topk_swa_indices(topk, qsl, seq[:1], seq[:1], 128, ratio,
                                     512 if ratio else 0, 1000, 100, variant=variant)
+    q = torch.zeros(3, 1, 64, 128, dtype=torch.uint8, device=dev)
+    icache = torch.zeros(8, 128, 132, dtype=torch.uint8, device=dev)
+    il.paged_mqa_logits(q, icache, torch.zeros(3, 64, device=dev),
+                        torch.tensor([5, 300, 17], dtype=torch.int32, device=dev),
+                        torch.zeros(3, 4, dtype=torch.int32, device=dev), 333, variant=variant)
+    il.mqa_logits(q[:, 0], icache[0, :, :128], torch.ones(128, device=dev),
+                  torch.zeros(3, 64, device=dev), torch.zeros(3, dtype=torch.int32, device=dev),
+                  torch.full((3,), 77, dtype=torch.int32, device=dev), 77, variant=variant)
     torch.cuda.synchronize()
-    assert (cache_size(kg._gather_kernel), cache_size(ts._combine_kernel)) == before
+    assert (cache_size(kg._gather_kernel), cache_size(ts._combine_kernel),
+            cache_size(il._logits_kernel)) == before

@@ -48,6 +48,7 @@ class ModelShapes:
     compress_ratios: tuple[int, ...]  # distinct per-layer ratios (0 = SWA only)
     topk: int                          # index_topk
     heads: int                         # attention heads on this rank
+    index_heads: int = 64              # indexer heads (replicated, not split by TP)
 
 
 def model_shapes(vllm_config: Any) -> ModelShapes:
@@ -66,13 +67,14 @@ def model_shapes(vllm_config: Any) -> ModelShapes:
     heads = int(getattr(hf, "num_attention_heads", 64))
     return ModelShapes(window=int(getattr(hf, "sliding_window", 128) or 128),
                        compress_ratios=ratios, topk=int(getattr(hf, "index_topk", 0) or 0),
-                       heads=max(1, heads // tp))
+                       heads=max(1, heads // tp),
+                       index_heads=int(getattr(hf, "index_n_heads", 64) or 64))
 
 
 @dataclasses.dataclass(frozen=True)
 class WarmupKey:
     """One compile of one kernel: its constexprs and launch options (hashable)."""
-    kernel: str                            # "kv_gather", "topk_swa", "decode", "decode_reduce"
+    kernel: str                            # a key of _KERNELS
     constexprs: tuple[tuple[str, Any], ...]
     num_warps: int
     num_stages: int
@@ -120,11 +122,21 @@ def _decode_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
     return keys
 
 
+def _indexer_logits_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
+    if not any(r > 0 for r in shapes.compress_ratios) or shapes.topk <= 0:
+        return []  # no indexer in this model
+    from vllm.deepinfer.kernels import indexer_logits as il
+    tile = il.TILES[variant]
+    return [WarmupKey("indexer_logits", tuple(sorted(c.items())), tile.num_warps,
+                      tile.num_stages) for c in il.compile_constexprs(variant, shapes.index_heads)]
+
+
 # feature (vllm.deepinfer.envs) -> key builder
 _KEYS: dict[str, Callable[[ModelShapes, str], list[WarmupKey]]] = {
     "kv_gather": _gather_keys,
     "topk_swa": _combine_keys,
     "sparse_mla_decode": _decode_keys,
+    "indexer_logits": _indexer_logits_keys,
 }
 
 
@@ -151,6 +163,7 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
                "_MAIN_SIG"),
     "decode_reduce": ("vllm.deepinfer.kernels.sparse_mla_decode",
                       "_sparse_mla_decode_reduce_kernel", "_REDUCE_SIG"),
+    "indexer_logits": ("vllm.deepinfer.kernels.indexer_logits", "_logits_kernel", "_SIGNATURE"),
 }
 
 

@@ -89,7 +89,10 @@ def _to_fp16(x, HW_FP8: tl.constexpr, E4B15: tl.constexpr):
         return (((xi & 0x7F) << 7) | ((xi & 0x80) << 8)).to(tl.float16, bitcast=True)
 
 
-@triton.jit
+# Runtime integers are not specialized (no ==1 / %16 variants): one compile per constexpr
+# set covers every call, so the JIT warmup (vllm.deepinfer.warmup) can build them all.
+@triton.jit(do_not_specialize=["out_stride", "bt_stride", "page_stride", "block_size",
+                               "next_n"])
 def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr, kscale_ptr,
                    bt_ptr, bt_stride, page_stride, block_size, next_n,
                    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
@@ -297,20 +300,26 @@ _SIGNATURE = {
 }
 
 
+def compile_constexprs(variant: str, heads: int = 64) -> list[dict]:
+    """The constexpr sets a model with ``heads`` index heads launches on ``variant``: paged
+    (one length per request, and per row for native multi-token decode) and flat."""
+    tile = TILES[variant]
+    return [{"H": heads, "H_PAD": max(16, triton.next_power_of_2(heads)), "D": HEAD_DIM,
+             "BLOCK_N": tile.block_n, "PAGED": paged, "CTX_PER_ROW": per_row,
+             "HW_FP8": arch.VARIANTS[variant].hw_fp8, "E4B15": tile.e4b15}
+            for paged, per_row in ((True, False), (True, True), (False, False))]
+
+
 def _register() -> None:
-    # V4.1/V4 indexers: 64 heads x 128 dims; decode (paged, one length per request or per
-    # row) and prefill (gathered keys).
+    # V4.1/V4 indexers: 64 heads x 128 dims.
     for v in ("sm80", "sm90"):
         tile = TILES[v]
-        for paged, per_row in ((True, False), (True, True), (False, False)):
-            tag = "paged" + (".per_row" if per_row else "") if paged else "flat"
+        for c in compile_constexprs(v):
+            tag = ("paged" + (".per_row" if c["CTX_PER_ROW"] else "")) if c["PAGED"] else "flat"
             compile_gate.register(compile_gate.GateSpec(
                 name=f"indexer_logits.{tag}[{v}]", kernel=_logits_kernel, signature=_SIGNATURE,
-                constexprs={"H": 64, "H_PAD": 64, "D": HEAD_DIM, "BLOCK_N": tile.block_n,
-                            "PAGED": paged, "CTX_PER_ROW": per_row,
-                            "HW_FP8": arch.VARIANTS[v].hw_fp8, "E4B15": tile.e4b15},
-                variants=(v,), num_warps=tile.num_warps, num_stages=tile.num_stages,
-                feature="indexer_logits"))
+                constexprs=c, variants=(v,), num_warps=tile.num_warps,
+                num_stages=tile.num_stages, feature="indexer_logits"))
 
 
 _register()
