@@ -115,7 +115,7 @@ def test_warmed_kernels_are_not_compiled_again_on_launch():
     il.paged_mqa_logits(q, icache, torch.zeros(3, 64, device=dev),
                         torch.tensor([5, 300, 17], dtype=torch.int32, device=dev),
                         torch.zeros(3, 4, dtype=torch.int32, device=dev), 333, variant=variant)
-    il.mqa_logits(q[:, 0], icache[0, :, :128], torch.ones(128, device=dev),
+    il.mqa_logits(q[:, 0], icache[0, :, :128].contiguous(), torch.ones(128, device=dev),
                   torch.zeros(3, 64, device=dev), torch.zeros(3, dtype=torch.int32, device=dev),
                   torch.full((3,), 77, dtype=torch.int32, device=dev), 77, variant=variant)
     torch.cuda.synchronize()
