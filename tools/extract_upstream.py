@@ -41,6 +41,15 @@ UPSTREAM_KERNELS: dict[str, tuple[str, list[str]]] = {
         "_sparse_attn_decode_partial_kernel",
         "_sparse_attn_decode_reduce_kernel",
     ]),
+    # The bf16 sparse prefill of the ROCm Triton path (what ``_rocm_sparse_attn_prefill_triton``
+    # runs: dense -> ragged index compaction, then the ragged kernel) and its inverse RoPE;
+    # used by benchmarks/one_layer.py (no fp8 in any of them).
+    "v41_sparse_prefill": ("vllm/v1/attention/ops/rocm_aiter_mla_sparse.py", [
+        "_count_valid_row_entries_kernel",
+        "_compact_dense_row_to_ragged_kernel",
+        "_sparse_attn_prefill_ragged_kernel",
+        "_inverse_rope_gptj_kernel",
+    ]),
     "v41_fused_compress": ("vllm/models/deepseek_v41/common/ops/fused_compress_quant_cache.py", [
         "_rope_quant_insert_kernel",
     ]),
