@@ -300,6 +300,8 @@ def test_ampere_classes_construct(built, model):
         assert (v["indexer_op"] == "DeepinferAmpereSparseAttnIndexer") == has_indexer
         assert v["has_compressor"] == has_compressor
         assert v["wo_a_is_bmm"] is False
+        # Upstream's aux-stream overlap runs unchanged (indexer beside the KV compression).
+        assert v["stream_methods_ours"] == [] and v["indexer_init_ours"] is False
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -200,6 +200,17 @@ def scenario_construct() -> None:
                         else type(layer.indexer.indexer_op).__name__,
                         "has_compressor": layer.compressor is not None,
                         "wo_a_is_bmm": bool(getattr(layer.wo_a, "is_bmm", False)),
+                        # The aux-stream overlap (indexer / compressor / projections) is
+                        # upstream's: no class of ours redefines the methods that run it.
+                        "stream_methods_ours": sorted(
+                            m for c in type(layer).__mro__
+                            if c.__module__.startswith("vllm.deepinfer")
+                            for m in ("_prepare_and_attn", "_prepare_and_attn_eager",
+                                      "_run_parallel_input_projections", "forward")
+                            if m in vars(c)),
+                        "indexer_init_ours": layer.indexer is not None and any(
+                            "__init__" in vars(c) for c in type(layer.indexer).__mro__
+                            if c.__module__.startswith("vllm.deepinfer")),
                     }
                 record(f"{model}/layer{i}", make)
         RESULTS[f"{model}/built"] = sorted(built)

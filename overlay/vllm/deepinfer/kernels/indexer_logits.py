@@ -60,13 +60,13 @@ class LogitsTile:
     e4b15: bool = False
 
 
-# Measured on the H200 (benchmarks/results/h200-2026-11-29-indexer-logits.json, GPU time
-# from CUDA graphs, sm80 variant): of [32, 64, 128] keys x [4, 8] warps, 64 keys x 4 warps
-# was fastest — decode 64 rows x 8192 keys 62.0 us (8 warps: 98.3; 32 x 8: 126.8; 128 x 8:
-# 65.9), prefill 2048 rows x 8192 keys 850 us (8 warps: 1563; 128 x 8: 929). The fp8e4b15
-# conversion was within 3% of the integer shift either way, so the exact-everywhere shift
-# stays (the interpreter mis-converts e4b15 subnormals). sm_80 compile gate: 165 registers
-# per thread, 24 KiB shared memory.
+# Measured on the H200 (benchmarks/results/h200-2026-11-29-one-layer-1687c8b.json, suite
+# indexer_logits, GPU time from CUDA graphs, sm80 variant = software decode): 64 keys x 4
+# warps was fastest of [32, 64, 128] keys x [4, 8] warps — decode 64 rows x 8192 keys 82.6 us
+# (64 x 8: 125.7; 32 x 8: 253.2; 128 x 8: 249.1), prefill 2048 rows x 8192 keys 846 us
+# (64 x 8: 1549; 128 x 8: 923; 32 x 8: 2495). Triton's fp8e4b15 conversion was within 1% of
+# the integer shift (81.8 / 855 us), so the shift, exact under the interpreter too, stays.
+# sm_80 compile gate: 165 registers per thread, 24 KiB shared memory.
 _TILE = LogitsTile(block_n=64, num_warps=4, num_stages=2, programs_per_sm=8)
 TILES: dict[str, LogitsTile] = {v: _TILE for v in ("cpu", "sm80", "sm86", "sm89", "sm90", "sm100")}
 _INTERPRETER_SMS = 1
