@@ -89,10 +89,13 @@ def _to_fp16(x, HW_FP8: tl.constexpr, E4B15: tl.constexpr):
         return (((xi & 0x7F) << 7) | ((xi & 0x80) << 8)).to(tl.float16, bitcast=True)
 
 
-# Runtime integers are not specialized (no ==1 / %16 variants): one compile per constexpr
-# set covers every call, so the JIT warmup (vllm.deepinfer.warmup) can build them all.
-@triton.jit(do_not_specialize=["out_stride", "bt_stride", "page_stride", "block_size",
-                               "next_n"])
+# Runtime integers that vary per call are not specialized (no ==1 / %16 variants), so one
+# compile per constexpr set covers every call and the JIT warmup (vllm.deepinfer.warmup) can
+# build them all. ``page_stride`` stays specialized: pages are 16-byte multiples (128 x 132
+# bytes and vLLM's aligned pages), and without that alignment fact the key loads lose their
+# 16-byte vectors (the decode rows of the H200 suite went from 62 to 83 us when it was
+# unspecialized at 80aad4c; h200-2026-11-29-one-layer-1687c8b.json has the slow rows).
+@triton.jit(do_not_specialize=["out_stride", "bt_stride", "block_size", "next_n"])
 def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr, kscale_ptr,
                    bt_ptr, bt_stride, page_stride, block_size, next_n,
                    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
