@@ -60,14 +60,17 @@ class LogitsTile:
     e4b15: bool = False
 
 
-# Measured on the H200 (benchmarks/results/h200-2026-11-29-one-layer-1687c8b.json, suite
-# indexer_logits, GPU time from CUDA graphs, sm80 variant = software decode): 64 keys x 4
-# warps was fastest of [32, 64, 128] keys x [4, 8] warps — decode 64 rows x 8192 keys 82.6 us
-# (64 x 8: 125.7; 32 x 8: 253.2; 128 x 8: 249.1), prefill 2048 rows x 8192 keys 846 us
-# (64 x 8: 1549; 128 x 8: 923; 32 x 8: 2495). Triton's fp8e4b15 conversion was within 1% of
-# the integer shift (81.8 / 855 us), so the shift, exact under the interpreter too, stays.
-# sm_80 compile gate: 165 registers per thread, 24 KiB shared memory.
-_TILE = LogitsTile(block_n=64, num_warps=4, num_stages=2, programs_per_sm=8)
+# Measured on the H200, GPU time from CUDA graphs, sm80 variant (software decode):
+# * tile (benchmarks/results/h200-2026-11-29-one-layer-1687c8b.json, suite indexer_logits):
+#   64 keys x 4 warps was fastest of [32, 64, 128] keys x [4, 8] warps — prefill 2048 rows x
+#   8192 keys 846 us (64 x 8: 1549; 128 x 8: 923; 32 x 8: 2495), and at the 64-row decode
+#   1.5-3x faster than the others. Triton's fp8e4b15 conversion was within 1% of the integer
+#   shift, so the shift, exact under the interpreter too, stays.
+# * launch (h200-2026-11-29-indexer-logits-sweep-ec29fd8.jsonl): 1 stage and 16 programs
+#   per SM — decode 64 x 8192 53.4 us, prefill 815 us; the former 2 stages x 8 programs gave
+#   63.1 / 843 us, 3-4 stages 63-72 us, 4 programs per SM 66-70 us.
+# sm_80 compile gate: 125-165 registers per thread, 24 KiB shared memory.
+_TILE = LogitsTile(block_n=64, num_warps=4, num_stages=1, programs_per_sm=16)
 TILES: dict[str, LogitsTile] = {v: _TILE for v in ("cpu", "sm80", "sm86", "sm89", "sm90", "sm100")}
 _INTERPRETER_SMS = 1
 
