@@ -93,3 +93,11 @@ def test_switching_off_an_fp8_replacement_on_ampere_warns(variant, warned):
     assert bool(warn) == warned, r.stdout
     if warned:
         assert "fp8_sw, kv_gather switched off on " + variant in warn[0]
+
+
+@pytest.mark.parametrize("variant,warned", [("sm80", True), ("sm89", True), ("sm90", False)])
+def test_switching_off_indexer_logits_below_sm90_warns(variant, warned):
+    r = _import_log({"DEEPINFER_ARCH": variant, "DEEPINFER_INDEXER_LOGITS": "0"})
+    assert r.returncode == 0, r.stderr
+    warn = [ln for ln in r.stdout.splitlines() if "DeepGEMM" in ln]
+    assert bool(warn) == warned, r.stdout

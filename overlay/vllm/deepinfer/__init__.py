@@ -33,6 +33,11 @@ def _announce() -> None:
             _logger.warning("deepinfer: %s switched off on %s: upstream's Triton kernels for "
                             "them use fp8e4nv, which does not compile below sm_89",
                             ", ".join(off), v.name)
+    if v.name in ("sm80", "sm86", "sm89") and not envs.enabled("indexer_logits", v.name):
+        # Upstream's only CUDA indexer scorer is DeepGEMM, built for SM90/SM100.
+        _logger.warning("deepinfer: indexer_logits switched off on %s: upstream scores the "
+                        "sparse indexer with DeepGEMM, which does not exist below sm_90 "
+                        "(contexts longer than top-k x compress ratio will fail)", v.name)
 
 
 # Features whose upstream fallback is an fp8 Triton kernel (unrunnable on sm80/sm86).
