@@ -224,22 +224,12 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
         _need(t.dtype in _INDEX and t.dim() == 1 and t.numel() == rows and t.is_contiguous(),
               name, lambda t=t: f"expected contiguous int32 [{rows}], got {t.dtype} "
               f"{tuple(t.shape)}")
-    for name, t in (("k", k), ("k_scale", k_scale), ("weights", weights),
-                    ("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)):
-        _need(t.device == q.device, name, lambda t=t: f"on {t.device}, q on {q.device}")
-    _need(max_seqlen_k >= 0, "max_seqlen_k", lambda: f"{max_seqlen_k} < 0")
-    out = torch.empty(rows, max_seqlen_k, dtype=torch.float32, device=q.device)
-    if rows == 0 or max_seqlen_k == 0:
-        return out
-    tile, hw_fp8 = _resolve(variant, tile)
-    grid = (_programs(tile, rows, max_seqlen_k, q.device, sm_count), rows)
-    _logits_kernel[grid](
-        out, out.stride(0), qb, weights, cu_seqlen_ks, cu_seqlen_ke, kb, k_scale,
-        cu_seqlen_ks, 0, 0, 1, 1,
-        H=heads, H_PAD=max(16, triton.next_power_of_2(heads)), D=dim, BLOCK_N=tile.block_n,
-        PAGED=False, CTX_PER_ROW=False, HW_FP8=hw_fp8, E4B15=tile.e4b15, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
-    return out
+    return _launch(q, rows, heads, max_seqlen_k, "max_seqlen_k",
+                   (("k", k), ("k_scale", k_scale), ("weights", weights),
+                    ("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)),
+                   (qb, weights, cu_seqlen_ks, cu_seqlen_ke, kb, k_scale, cu_seqlen_ks, 0, 0, 1,
+                    1), paged=False, per_row=False, variant=variant, tile=tile,
+                   sm_count=sm_count)
 
 
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
@@ -277,21 +267,29 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
           and block_table.stride(1) == 1, "block_table",
           lambda: f"expected int32 [>= {batch}, max_blocks] with contiguous rows, got "
           f"{block_table.dtype} {tuple(block_table.shape)}")
-    for name, t in (("kv_cache", kv_cache), ("weights", weights),
-                    ("context_lens", context_lens), ("block_table", block_table)):
+    return _launch(q, rows, heads, max_model_len, "max_model_len",
+                   (("kv_cache", kv_cache), ("weights", weights),
+                    ("context_lens", context_lens), ("block_table", block_table)),
+                   (qb, weights, context_lens, context_lens, kv_cache, kv_cache, block_table,
+                    block_table.stride(0), kv_cache.stride(0), block_size, next_n),
+                   paged=True, per_row=per_row, variant=variant, tile=tile, sm_count=sm_count)
+
+
+def _launch(q, rows: int, heads: int, width: int, width_name: str, tensors, args, *,
+            paged: bool, per_row: bool, variant, tile, sm_count) -> torch.Tensor:
+    """Device checks, the [rows, width] fp32 output, and the launch (both forms)."""
+    for name, t in tensors:
         _need(t.device == q.device, name, lambda t=t: f"on {t.device}, q on {q.device}")
-    _need(max_model_len >= 0, "max_model_len", lambda: f"{max_model_len} < 0")
-    out = torch.empty(rows, max_model_len, dtype=torch.float32, device=q.device)
-    if rows == 0 or max_model_len == 0:
+    _need(width >= 0, width_name, lambda: f"{width} < 0")
+    out = torch.empty(rows, width, dtype=torch.float32, device=q.device)
+    if rows == 0 or width == 0:
         return out
     tile, hw_fp8 = _resolve(variant, tile)
-    grid = (_programs(tile, rows, max_model_len, q.device, sm_count), rows)
+    grid = (_programs(tile, rows, width, q.device, sm_count), rows)
     _logits_kernel[grid](
-        out, out.stride(0), qb, weights, context_lens, context_lens, kv_cache, kv_cache,
-        block_table, block_table.stride(0), kv_cache.stride(0), block_size, next_n,
-        H=heads, H_PAD=max(16, triton.next_power_of_2(heads)), D=dim, BLOCK_N=tile.block_n,
-        PAGED=True, CTX_PER_ROW=per_row, HW_FP8=hw_fp8, E4B15=tile.e4b15,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        out, out.stride(0), *args, H=heads, H_PAD=max(16, triton.next_power_of_2(heads)),
+        D=HEAD_DIM, BLOCK_N=tile.block_n, PAGED=paged, CTX_PER_ROW=per_row, HW_FP8=hw_fp8,
+        E4B15=tile.e4b15, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
 
