@@ -18,6 +18,11 @@ The rules (``decide`` holds them, free of vLLM so they are testable on their own
   run on this capability fails at once with a message naming the backend and the
   capability, instead of later inside a kernel launch. Asking for such a backend and for
   ``DEEPINFER_AMPERE_ATTN=1`` at once is a conflict and fails too.
+* ``--attention-backend DEEPINFER_AMPERE_SPARSE_DSV41`` (V4: ``..._DSV4``; patch 0016 lists
+  them in ``AttentionBackendEnum``) asks for the Ampere class on any capability from 8.0,
+  as ``DEEPINFER_AMPERE_ATTN=1`` does. The other model's name, a capability below 8.0,
+  prefill context parallelism, or the feature switched off by the environment fail with a
+  message naming the backend.
 * ``DEEPINFER_AMPERE_ATTN=0`` (or ``DEEPINFER_DISABLE=ampere_attn|all``) below 9.0 hands
   the choice back to upstream with a warning: upstream then picks FlashMLA, which cannot
   run there.
@@ -59,6 +64,14 @@ DSV4_BACKENDS: dict[str, frozenset[str]] = {
 }
 
 
+# Our own AttentionBackendEnum names (patch 0016), one per model; the backend classes'
+# get_name() (attention/ampere_v41.py, ampere_v4.py) return the same strings.
+OUR_BACKENDS: dict[str, str] = {
+    "deepseek_v41": "DEEPINFER_AMPERE_SPARSE_DSV41",
+    "deepseek_v4": "DEEPINFER_AMPERE_SPARSE_DSV4",
+}
+
+
 class BackendUnavailableError(ValueError):
     """An explicitly requested attention backend cannot run on this GPU."""
 
@@ -83,18 +96,41 @@ def decide(model: str, capability: tuple[int, int] | None, backend: str | None =
     if model not in MODELS:
         raise KeyError(f"unknown model {model!r}; known: {', '.join(MODELS)}")
     name = MODELS[model][2]
+    ours = backend is not None and backend in OUR_BACKENDS.values()
+    if ours and backend != OUR_BACKENDS[model]:
+        raise ValueError(f"{name}: attention backend {backend} is the DeepInfer backend of "
+                         f"another model; use {OUR_BACKENDS[model]}")
     if capability is None:
+        if ours:
+            raise BackendUnavailableError(f"{name}: attention backend {backend} needs a CUDA "
+                                          "device (none was found)")
         return Decision(False, "no CUDA device capability")
     cap = (int(capability[0]), int(capability[1]))
     try:
         variant = arch.variant_for_capability(cap)
     except arch.UnsupportedGPU as e:
+        if ours:
+            raise BackendUnavailableError(
+                f"{name}: attention backend {backend} cannot run on compute capability "
+                f"{_cap_str(cap)}: {e}") from None
         return Decision(False, str(e))
     v = arch.VARIANTS[variant]
     below = cap < UPSTREAM_MIN_CAPABILITY
     asked = envs.explicit(FEATURE)
     on = envs.enabled(FEATURE, variant)
     where = f"compute capability {_cap_str(cap)} ({v.description})"
+
+    if ours:
+        if asked is False:
+            raise ValueError(
+                f"{name}: attention backend {backend} was requested explicitly and the "
+                "environment switches the ampere_attn feature off (DEEPINFER_AMPERE_ATTN=0 / "
+                "DEEPINFER_DISABLE); unset one of the two")
+        if pcp:
+            raise ValueError(
+                f"{name}: attention backend {backend} does not support prefill context "
+                "parallelism (upstream's only PCP backend is FlashMLA sparse attention)")
+        return Decision(True, f"attention backend {backend} requested explicitly")
 
     if backend is not None and backend in DSV4_BACKENDS[model]:
         if asked:
