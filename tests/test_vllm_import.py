@@ -184,6 +184,24 @@ def test_decide_explicit_backend_messages(clean_env):
         selector.decide("deepseek_v4", (9, 0), "FLASHMLA_SPARSE_DSV4", backend_runs=True)
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_decide_our_backend(clean_env, model):
+    ours = selector.OUR_BACKENDS[model]
+    other = next(b for m, b in selector.OUR_BACKENDS.items() if m != model)
+    for cap in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]:
+        assert selector.decide(model, cap, ours).ampere
+    with pytest.raises(ValueError, match=f"{other} is the DeepInfer backend of another model"):
+        selector.decide(model, (8, 0), other)
+    for cap in [(7, 5), None]:
+        with pytest.raises(selector.BackendUnavailableError, match=ours):
+            selector.decide(model, cap, ours)
+    with pytest.raises(ValueError, match="prefill context parallelism"):
+        selector.decide(model, (8, 0), ours, pcp=True)
+    clean_env.setenv("DEEPINFER_AMPERE_ATTN", "0")
+    with pytest.raises(ValueError, match="switches the ampere_attn feature off"):
+        selector.decide(model, (8, 0), ours)
+
+
 def test_envs_explicit(clean_env):
     assert envs.explicit("ampere_attn") is None
     clean_env.setenv("DEEPINFER_AMPERE_ATTN", "1")
@@ -256,6 +274,29 @@ def test_patched_selector_explicit_impossible_backend_fails(sel, model, cap):
 ])
 def test_patched_selector_explicit_runnable_backend_kept(sel, model, key, want):
     assert _value(sel, f"{model}/{key}") == want
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("cap", ["8.0", "8.6", "8.9", "9.0", "10.0", "12.0"])
+def test_patched_selector_our_backend_by_name(sel, model, cap):
+    """--attention-backend DEEPINFER_AMPERE_SPARSE_DSV41 / _DSV4 (patch 0016) picks the Ampere
+    class on every capability from 8.0; the other model's name is an error."""
+    ours = {"deepseek_v41": "DEEPINFER_AMPERE_SPARSE_DSV41",
+            "deepseek_v4": "DEEPINFER_AMPERE_SPARSE_DSV4"}
+    assert _value(sel, f"{model}/{cap}/backend={ours[model]}") == AMPERE[model]
+    other = next(b for m, b in ours.items() if m != model)
+    err, msg = _error(sel, f"{model}/{cap}/backend={other}")
+    assert err == "ValueError" and "another model" in msg
+
+
+def test_registry_lists_our_backends(sel):
+    v = _value(sel, "registry")
+    assert v["DEEPINFER_AMPERE_SPARSE_DSV41"] == [
+        "vllm.deepinfer.attention.ampere_v41.DeepinferAmpereV41MLASparseBackend",
+        "DEEPINFER_AMPERE_SPARSE_DSV41"]
+    assert v["DEEPINFER_AMPERE_SPARSE_DSV4"] == [
+        "vllm.deepinfer.attention.ampere_v4.DeepinferAmpereV4MLASparseBackend",
+        "DEEPINFER_AMPERE_SPARSE_DSV4"]
 
 
 @pytest.mark.parametrize("model", MODELS)

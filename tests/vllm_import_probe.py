@@ -84,7 +84,8 @@ def scenario_selector() -> None:
             set_env(DEEPINFER_AMPERE_ATTN=None, DEEPINFER_DISABLE=None)
             for b in ("FLASHMLA_SPARSE_DSV4", "FLASHMLA_SPARSE", "FLASHINFER_MLA_SPARSE_DSV4",
                       "FLASHMLA_SPARSE_DSV41", "FLASHINFER_MLA_SPARSE_DSV41",
-                      "FLASHMLA_MEGA_ATTN_DSV41", "TRITON_MLA"):
+                      "FLASHMLA_MEGA_ATTN_DSV41", "TRITON_MLA",
+                      "DEEPINFER_AMPERE_SPARSE_DSV41", "DEEPINFER_AMPERE_SPARSE_DSV4"):
                 record(f"{model}/{cap[0]}.{cap[1]}/backend={b}", lambda: pick(model, b))
             set_env(DEEPINFER_AMPERE_ATTN="1")
             record(f"{model}/{cap[0]}.{cap[1]}/backend=FLASHMLA_SPARSE_DSV4+on",
@@ -93,6 +94,15 @@ def scenario_selector() -> None:
             record(f"{model}/{cap[0]}.{cap[1]}/pcp2", lambda: pick(model, pcp=2))
     fake_capability(None)
     record("deepseek_v41/none/default", lambda: pick("deepseek_v41"))
+
+    def registry():
+        """Patch 0016: our backend names resolve to our backend classes."""
+        out = {}
+        for name in ("DEEPINFER_AMPERE_SPARSE_DSV41", "DEEPINFER_AMPERE_SPARSE_DSV4"):
+            cls = AttentionBackendEnum[name].get_class()
+            out[name] = [cls.__module__ + "." + cls.__name__, cls.get_name()]
+        return out
+    record("registry", registry)
     fake_capability(7, 5)
     record("deepseek_v41/7.5/default", lambda: pick("deepseek_v41"))
 
