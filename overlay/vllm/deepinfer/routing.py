@@ -122,6 +122,12 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_model
     return ours(q[0], kv_cache, weights, context_lens, block_tables, max_model_len)
 
 
+def pack_fp8_as_bytes(x: torch.Tensor) -> bool:
+    """Patch 0017: ``pack_seq_triton`` moves an e4m3 tensor as uint8 bytes (its fp8 load does
+    not compile below sm_89)."""
+    return x.dtype == torch.float8_e4m3fn and use("fp8_sw")
+
+
 # ----------------------------------------------------------------------------- fp8 writers
 # Upstream's fp8 writers (Triton kernels that cast to float8_e4m3fn) do not compile below
 # sm_89. With the ``fp8_sw`` feature on (default: sm80/sm86) each upstream writer function
