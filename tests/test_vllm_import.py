@@ -374,12 +374,16 @@ def test_ampere_decode_refuses_upstream_fp8_fallback(built, model):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_ampere_indexer_scoring_is_upstreams_op(built, model):
-    """Scoring is upstream's sparse_attn_indexer (logits routed by patch 0015); the padded
-    decode layout, whose fp8 Q packing cannot compile below sm_89, is refused up front."""
+    """Scoring is upstream's sparse_attn_indexer (logits routed by patch 0015), for uniform
+    and padded decode layouts alike."""
     v = _value(built, f"{model}/indexer_scoring")
-    assert v["uniform"] == "upstream" and v["delegated_to_self"] is True
-    for case in ("padded", "ragged"):
-        assert v[case].startswith("NotImplementedError") and "padded decode" in v[case]
+    assert v["uniform"] == v["padded"] == v["ragged"] == "upstream"
+    assert v["delegated_to_self"] is True
+
+
+def test_patched_pack_seq_moves_fp8_bytes(writers):
+    v = _value(writers, "writers.pack_seq_fp8")
+    assert v == {"dtype": "torch.float8_e4m3fn", "shape": [3, 3, 4, 128], "bytes_equal": True}
 
 
 def test_patched_deep_gemm_logits_route_to_ours(writers):

@@ -332,9 +332,9 @@ def _forward_checks(model: str, built: dict, vcfg) -> None:
         idx_layer = next(b for b in built.values() if b.indexer is not None)
 
         def scoring():
-            """A uniform decode step reaches upstream's op (SparseAttnIndexer.forward_cuda,
-            recorded here instead of run: its kernels need a GPU); a padded decode layout
-            is refused before any kernel."""
+            """Uniform and padded decode steps alike reach upstream's op
+            (SparseAttnIndexer.forward_cuda, recorded here instead of run: its kernels need
+            a GPU); the padded layout's fp8 Q packing is patch 0017's (writers probe)."""
             from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
             op = idx_layer.indexer.indexer_op
             seen = []
@@ -350,15 +350,12 @@ def _forward_checks(model: str, built: dict, vcfg) -> None:
                                                              num_decode_tokens=tokens,
                                                              decode=decode)}
                     c = ForwardContext(no_compile_layers={}, attn_metadata=md, slot_mapping={})
-                    try:
-                        with set_current_vllm_config(vcfg), override_forward_context(c):
-                            out[name] = op(torch.zeros(n, 8), torch.zeros(n, 4, 128), None,
-                                           torch.zeros(n, 4))
-                    except NotImplementedError as e:
-                        out[name] = "NotImplementedError: " + str(e)
+                    with set_current_vllm_config(vcfg), override_forward_context(c):
+                        out[name] = op(torch.zeros(n, 8), torch.zeros(n, 4, 128), None,
+                                       torch.zeros(n, 4))
             finally:
                 SparseAttnIndexer.forward_cuda = orig
-            out["delegated_to_self"] = len(seen) == 1 and seen[0] is op
+            out["delegated_to_self"] = len(seen) == 3 and all(x is op for x in seen)
             return out
         record(f"{model}/indexer_scoring", scoring)
 
@@ -529,7 +526,23 @@ def scenario_writers() -> None:
             mx = type(e).__name__ + ": " + str(e)[:80]
         return {"paged_equal": paged_equal, "flat_equal": flat_equal, "mx_call": mx}
 
+    def pack_seq_fp8():
+        """Patch 0017: pack_seq_triton of an e4m3 tensor moves its bytes on sm80 (pad 0)."""
+        from vllm.v1.attention.ops.common import pack_seq_triton
+        g = torch.Generator().manual_seed(5)
+        x = torch.randint(0, 256, (7, 4, 128), generator=g, dtype=torch.int32)
+        x = torch.where((x & 0x7F) == 0x7F, x - 1, x).to(torch.uint8).view(torch.float8_e4m3fn)
+        lengths = torch.tensor([3, 1, 3], dtype=torch.int32)
+        out = pack_seq_triton(x, lengths)
+        want = torch.zeros(3, 3, 4, 128, dtype=torch.uint8)
+        starts = [0, 3, 4]
+        for b, (s0, n) in enumerate(zip(starts, lengths.tolist())):
+            want[b, :n] = x[s0:s0 + n].view(torch.uint8)
+        return {"dtype": str(out.dtype), "shape": list(out.shape),
+                "bytes_equal": torch.equal(out.view(torch.uint8), want)}
+
     record("writers.deep_gemm_logits", deep_gemm_logits)
+    record("writers.pack_seq_fp8", pack_seq_fp8)
     record("writers.v41_rope_quant_insert", v41_insert)
     record("writers.v41_indexer_k_store", v41_indexer_k)
     record("writers.v4_indexer_q", v4_indexer_q)

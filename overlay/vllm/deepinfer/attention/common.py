@@ -74,9 +74,11 @@ class DeepinferAmpereSparseAttnIndexer(SparseAttnIndexer):
     Scoring is upstream's own ``sparse_attn_indexer`` custom op, unchanged: its two DeepGEMM
     calls (``fp8_fp4_mqa_logits``, ``fp8_fp4_paged_mqa_logits``) are routed by patch 0015
     to ``vllm.deepinfer.kernels.indexer_logits``; the K gather, the candidate-block masks
-    and the per-row top-k are upstream's (CUDA C++ ops and fp32 Triton, no fp8 type).
-    Refused up front: the padded decode layout (spec decode, or a short prefill counted as
-    decode), whose Q packing is an fp8 Triton kernel.
+    and the per-row top-k are upstream's (CUDA C++ ops and fp32 Triton, no fp8 type). The
+    padded decode layout (spec decode, or a short prefill counted as decode) packs the e4m3
+    Q with ``pack_seq_triton``, which patch 0017 runs on the bytes where fp8e4nv cannot
+    compile; its uint8 pack/unpack kernels are registered for warmup here, as upstream does
+    for its MXFP4 cache.
     """
 
     def __init__(self, k_cache, quant_block_size: int, scale_fmt: str, topk_tokens: int,
@@ -116,26 +118,17 @@ class DeepinferAmpereSparseAttnIndexer(SparseAttnIndexer):
         if use_fp4_cache:
             raise not_implemented("the MXFP4 indexer cache (indexer_kv_dtype='mxfp4'; "
                                   "e2m1 conversion needs sm_100)")
+        if vllm_config.kernel_config.enable_jit_warmup:
+            from vllm.v1.attention.ops.common import (_PACK_SEQ_TRITON_KERNEL,
+                                                      _UNPACK_SEQ_TRITON_KERNEL)
+            as_bytes = routing.use("fp8_sw")  # what pack_seq_triton will launch (0017)
+            _PACK_SEQ_TRITON_KERNEL.register_warmup(
+                dtype=torch.uint8 if as_bytes else torch.float8_e4m3fn,
+                pad_value=0 if as_bytes else -float("inf"))
+            _UNPACK_SEQ_TRITON_KERNEL.register_warmup()
 
     def _score(self, hidden_states, q_quant, k, weights):
-        attn_metadata = get_forward_context().attn_metadata
-        if isinstance(attn_metadata, dict):
-            self._refuse_padded_decode(attn_metadata[self.k_cache.prefix])
         return SparseAttnIndexer.forward_cuda(self, hidden_states, q_quant, k, weights)
-
-    @staticmethod
-    def _refuse_padded_decode(md) -> None:
-        """Upstream packs decode Q rows with ``pack_seq_triton`` when the decode batch is
-        not uniform; for an e4m3 Q that kernel loads fp8e4nv, which does not compile below
-        sm_89. The condition is upstream's, evaluated from host-side metadata."""
-        decode = getattr(md, "decode", None)
-        if getattr(md, "num_decodes", 0) <= 0 or decode is None:
-            return
-        n = md.num_decode_tokens
-        if decode.requires_padding or (n and n % decode.decode_lens.shape[0] != 0):
-            raise not_implemented(
-                "the sparse indexer's padded decode layout (speculative decoding, or a "
-                "short prefill chunk counted as decode)")
 
     forward_native = _score
     forward_cuda = _score
