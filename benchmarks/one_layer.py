@@ -35,10 +35,13 @@ op outside the attention path):
                       models/deepseek_v41/common/ops/__init__.py); the per-(token, head) Q scale is
                       folded into the weights with softmax_scale 128**-0.5 and head scale
                       n_heads**-0.5, as DeepseekV4Indexer.forward_q passes them.
-``indexer_logits``    ours ``kernels.indexer_logits.paged_mqa_logits`` (decode and prefill alike:
-                      one logits row per query token, each with its causal compressed length
-                      (pos + 1) // ratio, so no gather). If that module is not importable the
-                      row says ``missing`` and the reference logits feed the later stages.
+``indexer_k_gather``  prefill only; stand-in for vLLM's C++ ``cp_gather_indexer_k_quant_cache``:
+                      the index keys (codes and fp32 scales) of every compressed position a
+                      request's rows can see, contiguous, request after request.
+``indexer_logits``    ours, as vLLM calls it through patch 0015: decode
+                      ``kernels.indexer_logits.paged_mqa_logits`` over the index-K cache (one
+                      row per request, length (pos + 1) // ratio); prefill ``mqa_logits`` over
+                      the gathered keys, row t seeing [ks, ks + (pos + 1) // ratio).
 ``indexer_topk``      stand-in for vLLM's C++ ``top_k_per_row``: torch.topk over each row's valid
                       columns, -1 where a row has fewer than top-k candidates (a row with at most
                       top-k candidates selects all of them, as upstream does).
@@ -116,6 +119,7 @@ for _p in (REPO / "overlay", REPO / "build"):
 from vllm.deepinfer import arch  # noqa: E402
 from vllm.deepinfer.kernels import fp8_writers_v4 as w4  # noqa: E402
 from vllm.deepinfer.kernels import fp8_writers_v41 as w41  # noqa: E402
+from vllm.deepinfer.kernels import indexer_logits as ilog  # noqa: E402
 from vllm.deepinfer.kernels import kv_gather as kvg  # noqa: E402
 from vllm.deepinfer.kernels import sparse_mla_decode as smd  # noqa: E402
 from vllm.deepinfer.kernels import topk_swa  # noqa: E402
@@ -172,14 +176,6 @@ class Step:
         ctx = self.ctx[0] if len(set(self.ctx)) == 1 else f"{min(self.ctx)}-{max(self.ctx)}"
         return dict(kind=kind, ratio=self.ratio, reqs=len(self.ctx), ctx=ctx,
                     tokens=sum(self.q_lens))
-
-
-def indexer_logits_module():
-    """``vllm.deepinfer.kernels.indexer_logits`` or None when it is not there yet."""
-    try:
-        return importlib.import_module("vllm.deepinfer.kernels.indexer_logits")
-    except ImportError:
-        return None
 
 
 def _upstream_prefill():
@@ -419,6 +415,8 @@ class Layer:
             self.max_len = max(1, int(self.idx_lens.max()))
             self.logits_cols = -(-self.max_len // cp) * cp
             self.bt_rows = self.comp_bt[self.req_new].contiguous()
+            if not step.decode:
+                self._prefill_k_gather_plan(R)
 
         # ---- new-token inputs and weights.
         H, IH = s.heads, s.idx_heads
@@ -493,6 +491,32 @@ class Layer:
         return self.ctx_cpu.to(self.dev)[self.req_all]
 
 
+    def _prefill_k_gather_plan(self, R: int) -> None:
+        """What vLLM's prefill indexer gathers per chunk (``cp_gather_indexer_k_quant_cache``,
+        a CUDA C++ op; a torch stand-in here): every compressed position a request's rows can
+        see, request after request, as contiguous codes [N, 128] and fp32 scales [N]; row t
+        then sees keys [ks[t], ks[t] + idx_lens[t]) of that buffer."""
+        cp = self.spec.comp_page
+        req, lens = self.req_new.cpu(), self.idx_lens.cpu()
+        n = [int(lens[req == b].max()) if bool((req == b).any()) else 0 for b in range(R)]
+        starts = [0]
+        for x in n[:-1]:
+            starts.append(starts[-1] + x)
+        b_of = torch.cat([torch.full((x,), b, dtype=torch.int64) for b, x in enumerate(n)])
+        c_of = torch.cat([torch.arange(x, dtype=torch.int64) for x in n])
+        page = self.comp_bt.cpu().long()[b_of, c_of // cp]
+        base = page * self.idx_cache.stride(0)
+        row = c_of % cp
+        self.kg_code_idx = (base[:, None] + row[:, None] * IDX_D
+                            + torch.arange(IDX_D)[None, :]).to(self.dev)
+        self.kg_scale_idx = (base[:, None] + cp * IDX_D + row[:, None] * 4
+                             + torch.arange(4)[None, :]).to(self.dev)
+        self.kg_slots = (page * cp + row).to(self.dev)  # for the check, via read_idx
+        ks = torch.tensor(starts, dtype=torch.int32)[req.long()]
+        self.kg_ks = ks.to(self.dev)
+        self.kg_ke = (ks + lens).to(torch.int32).to(self.dev)
+
+
 # ----------------------------------------------------------------------------- the Ampere path
 class AmperePath:
     """The stages of one step on one variant, as closures over preallocated buffers (CUDA-graph
@@ -502,17 +526,15 @@ class AmperePath:
         self.L, self.v = L, variant
         s, r, T = L.spec, L.step.ratio, L.T
         self.interp = arch.interpreting()
-        self.logits_mod = indexer_logits_module() if r > 0 else None
-        self.missing: set[str] = set()
         self.attn = torch.empty(T, s.heads, D, dtype=torch.bfloat16, device=L.dev)
         self.topk_local = torch.full((T, max(s.topk, 4)), -1, dtype=torch.int32, device=L.dev)
         st: list[tuple[str, Callable[[], None]]] = [("swa_insert", self.swa_insert)]
         if r > 0:
             st += [("compress_insert", self.compress_insert), ("indexer_k_store", self.indexer_k_store),
-                   ("indexer_q_quant", self.indexer_q_quant), ("indexer_logits", self.indexer_logits),
-                   ("indexer_topk", self.indexer_topk)]
-            if self.logits_mod is None:
-                self.missing.add("indexer_logits")
+                   ("indexer_q_quant", self.indexer_q_quant)]
+            if not L.step.decode:
+                st.append(("indexer_k_gather", self.indexer_k_gather))
+            st += [("indexer_logits", self.indexer_logits), ("indexer_topk", self.indexer_topk)]
         if L.step.decode:
             if r > 0:
                 st.append(("decode_indices", self.decode_indices))
@@ -566,13 +588,21 @@ class AmperePath:
 
     def indexer_logits(self):
         L = self.L
-        if self.logits_mod is None:  # not there yet: the reference stands in (row: missing)
-            self.logits = reference_logits(L, self.q8, self.wout, L.idx_cache, L.logits_cols)[0]
-            return
         T, IH = L.T, L.spec.idx_heads
-        self.logits = self.logits_mod.paged_mqa_logits(
-            self.q8.view(T, 1, IH, IDX_D), L.idx_cache, self.wout, L.idx_lens, L.bt_rows,
-            L.logits_cols, variant=self.v)
+        if L.step.decode:  # vLLM's decode: paged logits over the index-K cache
+            self.logits = ilog.paged_mqa_logits(
+                self.q8.view(T, 1, IH, IDX_D), L.idx_cache, self.wout, L.idx_lens, L.bt_rows,
+                L.logits_cols, variant=self.v)
+        else:  # vLLM's prefill: logits over the gathered keys, row t from column 0
+            self.logits = ilog.mqa_logits(
+                self.q8, self.kg_codes, self.kg_scales, self.wout, L.kg_ks, L.kg_ke,
+                L.logits_cols, variant=self.v)
+
+    def indexer_k_gather(self):
+        L = self.L
+        flat = _flat(L.idx_cache).reshape(-1)
+        self.kg_codes = flat[L.kg_code_idx]
+        self.kg_scales = flat[L.kg_scale_idx].view(torch.float32).reshape(-1)
 
     def indexer_topk(self):
         L = self.L
@@ -886,13 +916,16 @@ def check(path: AmperePath, ref: dict | None = None) -> dict[str, dict]:
         c["exact"] = torch.equal(q8, rq) and torch.equal(path.wout, rw)
         c["tol"] += "; weights |d| <= 1e-6 |ref|"
         res["indexer_q_quant"] = c
+        if not L.step.decode:
+            codes, scales = read_idx(L.idx_cache, L.kg_slots)
+            same = torch.equal(path.kg_codes, codes) and torch.equal(
+                path.kg_scales.view(torch.int32), scales.view(torch.int32))
+            res["indexer_k_gather"] = dict(ok=same, exact=same, rows=int(codes.shape[0]),
+                                           tol="bit-identical to the records at the slots")
         lg_ref, mag = reference_logits(L, path.q8, path.wout, L.idx_cache, L.logits_cols)
         ok = torch.arange(L.logits_cols, device=L.dev)[None, :] < L.idx_lens.long()[:, None]
         got_l = torch.where(ok, path.logits[:, :L.logits_cols].float(), 0.0)
         c = _close(got_l, torch.where(ok, lg_ref, 0.0), mag, TOL["logits_rel"], TOL["logits_abs"])
-        if "indexer_logits" in path.missing:
-            c.update(ok=None, missing=True, tol="module vllm.deepinfer.kernels.indexer_logits missing: "
-                     "reference logits stand in")
         res["indexer_logits"] = c
         res["indexer_topk"] = _topk_check(path.topk_local[:, :s.topk], lg_ref, mag, L.idx_lens, s.topk)
     tk = path.topk_local if r > 0 else None
@@ -994,4 +1027,4 @@ def step_flops(L: Layer) -> dict:
 
 
 __all__ = ["Spec", "REAL", "Step", "Layer", "AmperePath", "build", "run_case", "check", "TOL",
-           "indexer_logits_module", "step_flops"]
+           "step_flops"]

@@ -49,7 +49,6 @@ def test_layer_cpu(device, upstream, ratio, kind):
         pytest.skip("the tiny interpreter sizes; the gpu test covers CUDA")
     step = ol.Step(ratio, **(DECODE if kind == "decode" else PREFILL))
     L, path, res = ol.run_case(TINY, step, device, "sm80", seed=ratio)
-    assert "indexer_logits" not in path.missing or ratio == 0
     names = [n for n, _ in path.stages]
     assert names[0] == "swa_insert" and names[-1] == "o_proj"
     assert set(names) <= set(res)
