@@ -15,6 +15,8 @@ Scenarios:
                FlashMLA, DeepGEMM and CuTeDSL absent, plus what their forward refuses
     writers    the patched upstream fp8 writers routed to ours on sm80 (interpreter), the
                has_cutedsl capability gate, our JIT warmup registration
+    forward    the V4.1 Ampere class's decode forward_mqa on CPU tensors (interpreter, sm80):
+               upstream's index helpers, then our decode through patch 0003
 """
 from __future__ import annotations
 
@@ -159,20 +161,26 @@ class _FakeEvent:
         pass
 
 
-def scenario_construct() -> None:
-    import tempfile
-
+def _cpu_platform() -> None:
+    """An SM80 device as far as vLLM's selection code asks, CPU tensors for the rest."""
     import torch
     torch.cuda.Event = _FakeEvent  # type: ignore[misc]
     # vLLM's workspace manager empties the accelerator cache when it grows.
     torch.accelerator.empty_cache = lambda: None  # type: ignore[assignment]
+    fake_capability(8, 0)
+    from vllm.platforms import current_platform
+    current_platform.device_type = "cpu"  # V4's compressor allocates on it
+
+
+def scenario_construct() -> None:
+    import tempfile
+
+    import torch
     from vllm.config import set_current_vllm_config
     from vllm.utils import deep_gemm, import_utils
     from vllm.v1.attention.ops import flashmla
 
-    fake_capability(8, 0)
-    from vllm.platforms import current_platform
-    current_platform.device_type = "cpu"  # V4's compressor allocates on it
+    _cpu_platform()
     RESULTS["absent"] = {
         "deep_gemm": bool(deep_gemm.has_deep_gemm()),
         "cutedsl": bool(import_utils.has_cutedsl()),
@@ -358,6 +366,224 @@ def _forward_checks(model: str, built: dict, vcfg) -> None:
             out["delegated_to_self"] = len(seen) == 3 and all(x is op for x in seen)
             return out
         record(f"{model}/indexer_scoring", scoring)
+
+
+# --------------------------------------------------------------------------- forward
+def scenario_forward() -> None:
+    """The V4.1 Ampere class's ``forward_mqa`` on CPU tensors under the interpreter, for a
+    SWA-only (ratio 0) and a ratio-1 layer, decode and prefill, against plain-torch sparse
+    attention over the same records (``reference``).
+
+    Decode: metadata built by hand (the fields the decode reads); besides the reference, the
+    output must equal, byte for byte, our decode kernel called directly on ragged index
+    lists built here: the class's glue (upstream's top-k translation and dense -> ragged
+    helpers, patch 0003, scale, sink, the inverse RoPE applied once) hands the kernel what it
+    should. Prefill: upstream's real ``DeepseekSparseSWAMetadata`` (its chunk plan), our
+    gather and combiner, upstream's bf16 prefill kernel, the standalone inverse RoPE."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["DEEPINFER_ARCH"] = "sm80"
+    import tempfile
+
+    import torch
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    _cpu_platform()
+    _dist_init(tempfile.mkdtemp(prefix="deepinfer-probe-"),
+               VllmConfig(device_config=DeviceConfig(device="cpu")))
+    torch.set_default_dtype(torch.bfloat16)
+    from vllm.deepinfer import routing
+    from vllm.deepinfer.attention import selector
+    cls = selector.ampere_class("deepseek_v41")
+    vcfg = _vllm_config("deepseek_v41")
+    g = torch.Generator().manual_seed(11)
+    n, swa_bs, comp_bs, window = 3, 32, 64, 128
+    with set_current_vllm_config(vcfg):
+        topk_buf = torch.full((64, 64), -1, dtype=torch.int32)
+        layers = {i: cls(vcfg, prefix=f"model.layers.{i}.attn", topk_indices_buffer=topk_buf,
+                         aux_stream_list=None) for i in (0, 1)}
+
+    from vllm.deepinfer import kv_record
+
+    def records(num_blocks, bs, _unused=0):
+        """A cache of valid 584-byte records (kv_record's page layout) from random rows."""
+        cache = kv_record.new_cache(num_blocks, bs)
+        kv_record.insert_rows(cache, torch.arange(num_blocks * bs),
+                              torch.randn(num_blocks * bs, 512, generator=g))
+        return cache
+
+    def reference(layer, q_t, keys, p):
+        """Plain-torch sparse MLA of one token: softmax over the keys with the sink in the
+        denominator, values = keys, then the inverse GPT-J RoPE of dims 448.. at ``p``."""
+        sink = layer.attn_sink.float()[: layer.n_local_heads]
+        sc = (q_t.float() @ keys.T) * layer.scale
+        m = torch.maximum(sc.max(1).values, sink)
+        w = torch.exp(sc - m[:, None])
+        o = (w @ keys) / (w.sum(1) + torch.exp(sink - m))[:, None]
+        cs = layer.rotary_emb.cos_sin_cache.float()
+        c, s_ = cs[p, :32], cs[p, 32:]
+        a, b = o[:, 448::2].clone(), o[:, 449::2].clone()
+        o[:, 448::2], o[:, 449::2] = a * c + b * s_, b * c - a * s_
+        return o
+
+    def run(i):
+        layer = layers[i]
+        torch.nn.init.normal_(layer.attn_sink, std=1.0, generator=g)
+        swa = records(8, swa_bs, 0)
+        layer.swa_cache_layer.kv_cache = swa
+        positions = torch.tensor([150, 40, 300], dtype=torch.int64)
+        # SWA: each token's window slots (dense, -1 padded), lengths min(pos + 1, window).
+        lens = torch.clamp(positions + 1, max=window).to(torch.int32)
+        swa_idx = torch.full((n, window), -1, dtype=torch.int32)
+        for t in range(n):
+            swa_idx[t, : lens[t]] = torch.randperm(8 * swa_bs, generator=g)[: lens[t]].int()
+        md = SimpleNamespace(num_decode_tokens=n, num_decodes=n, num_prefills=0,
+                             decode_swa_indices=swa_idx, decode_swa_lens=lens,
+                             token_to_req_indices=torch.arange(n, dtype=torch.int32),
+                             is_valid_token=torch.ones(n, dtype=torch.bool))
+        attn = {layer.swa_cache_layer.prefix: md}
+        extra = {}
+        if layer.compress_ratio:
+            comp = records(6, comp_bs, 7)
+            layer.kv_cache = comp
+            table = torch.tensor([[3, 1, 5], [0, 2, 4], [5, 4, 3]], dtype=torch.int32)
+            attn[layer.compressed_cache_prefix] = SimpleNamespace(block_table=table,
+                                                                  block_size=comp_bs)
+            k_lens = [37, 64, 20]
+            local = torch.full((n, 64), -1, dtype=torch.int32)
+            for t, k in enumerate(k_lens):
+                local[t, :k] = torch.randperm(3 * comp_bs, generator=g)[:k].int()
+            topk_buf[:n] = local
+            glob = [table[t, local[t, :k].long() // comp_bs].long() * comp_bs
+                    + local[t, :k].long() % comp_bs for t, k in enumerate(k_lens)]
+            extra = dict(extra_cache=comp, extra_indices=torch.cat(glob).int(),
+                         extra_indptr=torch.tensor([0] + list(
+                             torch.tensor(k_lens).cumsum(0)), dtype=torch.int32))
+        q = torch.randn(n, layer.padded_heads, 512, generator=g).to(torch.bfloat16)
+        out = torch.full_like(q, 7.0)
+        ctx = ForwardContext(no_compile_layers={}, attn_metadata=attn, slot_mapping={})
+        with set_current_vllm_config(vcfg), override_forward_context(ctx):
+            layer.forward_mqa(q, None, positions, out)
+        main = torch.cat([swa_idx[t, : lens[t]] for t in range(n)])
+        indptr = torch.tensor([0] + list(lens.long().cumsum(0)), dtype=torch.int32)
+        want = routing.sparse_attn_decode(
+            q, swa, main, indptr, layer.scale, layer.attn_sink, 448, 64, **extra,
+            inv_rope_positions=positions,
+            inv_rope_cos_sin_cache=layer.rotary_emb.cos_sin_cache)
+        worst = 0.0
+        for t in range(n):
+            keys = kv_record.read_rows(swa, swa_idx[t, : lens[t]].long())
+            if extra:
+                e0, e1 = int(extra["extra_indptr"][t]), int(extra["extra_indptr"][t + 1])
+                keys = torch.cat([keys, kv_record.read_rows(
+                    extra["extra_cache"], extra["extra_indices"][e0:e1].long())])
+            o = reference(layer, q[t], keys, int(positions[t]))
+            worst = max(worst, float((out[t].float() - o).abs().max()))
+        return {"ratio": layer.compress_ratio, "max_abs_err": worst,
+                "bytes_equal": torch.equal(out.view(torch.int16), want.view(torch.int16)),
+                "finite": bool(out.float().isfinite().all()),
+                "max_abs": float(out.float().abs().max())}
+
+    def prefill(i):
+        """One request: 20 new tokens after 100 cached, through forward_mqa's prefill
+        (gather, combine, upstream's bf16 prefill kernel, the inverse RoPE), against plain
+        torch attention over the same records (top-k compressed + window, sink, inverse
+        RoPE). Upstream's bf16 kernel runs with bf16 math emulated as on a GPU."""
+        import interp_bf16
+        from vllm.v1.attention.ops import rocm_aiter_mla_sparse as ras
+        from vllm.v1.worker.workspace import init_workspace_manager
+        # Upstream's launcher refuses CPU tensors (it guards real launches); the
+        # interpreter runs them. Its inputs go in as a Tensor subclass that says "not CPU".
+        launch = ras._rocm_sparse_attn_prefill_ragged_triton
+        if not getattr(launch, "_probe_wrapped", False):
+            class NotCpu(torch.Tensor):
+                @property
+                def is_cpu(self):
+                    return False
+
+            def wrapped(q, kv, indices, indptr, *a, **k):
+                sub = [t.as_subclass(NotCpu) for t in (q, kv, indices, indptr)]
+                return launch(*sub, *a, **k)
+            wrapped._probe_wrapped = True
+            ras._rocm_sparse_attn_prefill_ragged_triton = wrapped
+        try:
+            init_workspace_manager(torch.device("cpu"))
+        except Exception:  # already initialised
+            pass
+        layer = layers[i]
+        r, ctx_len, q_len = layer.compress_ratio, 100, 20
+        seq = ctx_len + q_len
+        torch.nn.init.normal_(layer.attn_sink, std=1.0, generator=g)
+        swa = records(6, swa_bs, 0)
+        layer.swa_cache_layer.kv_cache = swa
+        swa_bt = torch.tensor([[4, 0, 5, 2]], dtype=torch.int32)
+        positions = torch.arange(ctx_len, seq, dtype=torch.int64)
+        i32 = dict(dtype=torch.int32)
+        md = DeepseekSparseSWAMetadata(
+            block_table=swa_bt, slot_mapping=torch.zeros(q_len, dtype=torch.int64),
+            block_size=swa_bs, seq_lens=torch.tensor([seq], **i32),
+            query_start_loc=torch.tensor([0, q_len], **i32),
+            query_start_loc_cpu=torch.tensor([0, q_len], **i32),
+            is_valid_token=torch.ones(q_len, dtype=torch.bool),
+            token_to_req_indices=torch.zeros(q_len, **i32),
+            num_prefills=1, num_prefill_tokens=q_len,
+            prefill_seq_lens=torch.tensor([seq], **i32),
+            prefill_seq_lens_cpu=torch.tensor([seq], **i32),
+            prefill_gather_lens=torch.tensor([q_len + min(ctx_len, window - 1)], **i32),
+            prefill_query_lens_cpu=torch.tensor([q_len], **i32),
+            prefill_window_size=window, prefill_max_model_len=layer.max_model_len,
+            prefill_max_num_batched_tokens=layer.max_num_batched_tokens)
+        attn = {layer.swa_cache_layer.prefix: md}
+        keys_of = []  # per token: fp32 keys the reference attends to
+        for p in positions.tolist():
+            slots = [int(swa_bt[0, x // swa_bs]) * swa_bs + x % swa_bs
+                     for x in range(max(0, p - window + 1), p + 1)]
+            keys_of.append(kv_record.read_rows(swa, torch.tensor(slots)))
+        if r:
+            comp = records(4, comp_bs, 3)
+            layer.kv_cache = comp
+            comp_bt = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+            attn[layer.compressed_cache_prefix] = SimpleNamespace(block_table=comp_bt,
+                                                                  block_size=comp_bs * r)
+            local = torch.full((q_len, 64), -1, dtype=torch.int32)
+            for t, p in enumerate(positions.tolist()):
+                k = min((p + 1) // r, 64)
+                local[t, :k] = torch.randperm((p + 1) // r, generator=g)[:k].int()
+                slots = [int(comp_bt[0, c // comp_bs]) * comp_bs + c % comp_bs
+                         for c in local[t, :k].tolist()]
+                keys_of[t] = torch.cat([kv_record.read_rows(comp, torch.tensor(slots)),
+                                        keys_of[t]])
+            topk_buf[:q_len] = local
+        q = torch.randn(q_len, layer.padded_heads, 512, generator=g).to(torch.bfloat16)
+        out = torch.full_like(q, 7.0)
+        ctx = ForwardContext(no_compile_layers={}, attn_metadata=attn, slot_mapping={})
+        saved = []
+
+        def set_saving(obj, name, value):
+            saved.append((obj, name, getattr(obj, name)))
+            setattr(obj, name, value)
+        # bf16 math as on a GPU for the forward only (the records were written without it).
+        interp_bf16.patch(set_saving)
+        try:
+            with set_current_vllm_config(vcfg), override_forward_context(ctx):
+                layer.forward_mqa(q, None, positions, out)
+        finally:
+            for obj, name, value in reversed(saved):
+                setattr(obj, name, value)
+        worst, ref_max = 0.0, 0.0
+        for t, p in enumerate(positions.tolist()):
+            o = reference(layer, q[t], keys_of[t], p)
+            worst = max(worst, float((out[t].float() - o).abs().max()))
+            ref_max = max(ref_max, float(o.abs().max()))
+        return {"ratio": r, "max_abs_err": worst, "ref_max": ref_max,
+                "ref_finite": all(bool(k.isfinite().all()) for k in keys_of),
+                "finite": bool(out.float().isfinite().all())}
+
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
+    for i in (0, 1):
+        record(f"forward/decode_layer{i}", lambda i=i: run(i))
+    for i in (0, 1):
+        record(f"forward/prefill_layer{i}", lambda i=i: prefill(i))
 
 
 # --------------------------------------------------------------------------- writers
@@ -553,7 +779,7 @@ def scenario_writers() -> None:
 
 
 SCENARIOS = {"selector": scenario_selector, "construct": scenario_construct,
-             "writers": scenario_writers}
+             "writers": scenario_writers, "forward": scenario_forward}
 
 
 def main() -> int:
