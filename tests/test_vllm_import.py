@@ -398,30 +398,31 @@ def forward():
     return _probe("forward")
 
 
-# The outputs are bf16 of values below 1 (random unit rows): 1e-2 is a few bf16 ulps of the
-# largest output; the measured errors are ~4e-3 (fp32 reference, bf16 kernels).
+# Outputs are bf16 of magnitude ~1 (random unit rows): 1e-2 x max(1, |ref|) is about one bf16
+# ulp of the largest output; the measured errors are 2e-3 - 6e-3 (fp32 reference).
 FORWARD_TOL = 1e-2
+FORWARD_LAYERS = [("deepseek_v41", 0, 0), ("deepseek_v41", 1, 1), ("deepseek_v4", 0, 1),
+                  ("deepseek_v4", 1, 4), ("deepseek_v4", 2, 128)]  # (model, layer, ratio)
 
 
-@pytest.mark.parametrize("layer", [0, 1])  # compress ratio 0 (SWA only) and 1
-def test_ampere_forward_decode(forward, layer):
-    """forward_mqa's decode on CPU (interpreter, sm80): plain torch within FORWARD_TOL, and
+@pytest.mark.parametrize("model,layer,ratio", FORWARD_LAYERS)
+def test_ampere_forward_decode(forward, model, layer, ratio):
+    """forward_mqa's decode on CPU (interpreter, sm80): plain torch within tolerance, and
     the same bytes as our kernel called directly (the class's glue is right)."""
-    v = _value(forward, f"forward/decode_layer{layer}")
-    assert v["ratio"] == layer and v["finite"] is True
+    v = _value(forward, f"forward/{model}/decode_layer{layer}")
+    assert v["ratio"] == ratio and v["finite"] is True and v["ref_max"] > 0.1
     assert v["bytes_equal"] is True
-    assert v["max_abs_err"] <= FORWARD_TOL, v
+    assert v["max_abs_err"] <= FORWARD_TOL * max(1.0, v["ref_max"]), v
 
 
-@pytest.mark.parametrize("layer", [0, 1])
-def test_ampere_forward_prefill(forward, layer):
+@pytest.mark.parametrize("model,layer,ratio", FORWARD_LAYERS)
+def test_ampere_forward_prefill(forward, model, layer, ratio):
     """forward_mqa's prefill with upstream's real SWA metadata (chunk plan), our gather and
     combiner, upstream's bf16 prefill kernel, the inverse RoPE: plain torch within
-    FORWARD_TOL."""
-    v = _value(forward, f"forward/prefill_layer{layer}")
-    assert v["ratio"] == layer and v["finite"] is True and v["ref_finite"] is True
-    assert v["ref_max"] > 0.1  # a real signal, not zeros on both sides
-    assert v["max_abs_err"] <= FORWARD_TOL, v
+    tolerance."""
+    v = _value(forward, f"forward/{model}/prefill_layer{layer}")
+    assert v["ratio"] == ratio and v["finite"] is True and v["ref_max"] > 0.1
+    assert v["max_abs_err"] <= FORWARD_TOL * max(1.0, v["ref_max"]), v
 
 
 # --------------------------------------------------------------------------- fp8 writers

@@ -370,9 +370,10 @@ def _forward_checks(model: str, built: dict, vcfg) -> None:
 
 # --------------------------------------------------------------------------- forward
 def scenario_forward() -> None:
-    """The V4.1 Ampere class's ``forward_mqa`` on CPU tensors under the interpreter, for a
-    SWA-only (ratio 0) and a ratio-1 layer, decode and prefill, against plain-torch sparse
-    attention over the same records (``reference``).
+    """The Ampere classes' ``forward_mqa`` on CPU tensors under the interpreter, decode and
+    prefill, against plain-torch sparse attention over the same records (``reference``):
+    V4.1 layers of ratio 0 (SWA only) and 1; V4 layers of ratio 1 (SWA only), 4 (C4A:
+    indexer top-k) and 128 (C128A: top-k from the metadata).
 
     Decode: metadata built by hand (the fields the decode reads); besides the reference, the
     output must equal, byte for byte, our decode kernel called directly on ragged index
@@ -392,20 +393,40 @@ def scenario_forward() -> None:
     _dist_init(tempfile.mkdtemp(prefix="deepinfer-probe-"),
                VllmConfig(device_config=DeviceConfig(device="cpu")))
     torch.set_default_dtype(torch.bfloat16)
-    from vllm.deepinfer import routing
+    import interp_bf16
+    from vllm.deepinfer import kv_record, routing
     from vllm.deepinfer.attention import selector
-    cls = selector.ampere_class("deepseek_v41")
-    vcfg = _vllm_config("deepseek_v41")
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
+    from vllm.v1.attention.ops import rocm_aiter_mla_sparse as ras
+    from vllm.v1.worker.workspace import init_workspace_manager
+    init_workspace_manager(torch.device("cpu"))
+    # Upstream's prefill launcher refuses CPU tensors (it guards real launches); the
+    # interpreter runs them. Its inputs go in as a Tensor subclass that says "not CPU".
+    launch = ras._rocm_sparse_attn_prefill_ragged_triton
+
+    class NotCpu(torch.Tensor):
+        @property
+        def is_cpu(self):
+            return False
+
+    def launch_not_cpu(q, kv, indices, indptr, *a, **k):
+        return launch(*[t.as_subclass(NotCpu) for t in (q, kv, indices, indptr)], *a, **k)
+    ras._rocm_sparse_attn_prefill_ragged_triton = launch_not_cpu
+
     g = torch.Generator().manual_seed(11)
-    n, swa_bs, comp_bs, window = 3, 32, 64, 128
-    with set_current_vllm_config(vcfg):
-        topk_buf = torch.full((64, 64), -1, dtype=torch.int32)
-        layers = {i: cls(vcfg, prefix=f"model.layers.{i}.attn", topk_indices_buffer=topk_buf,
-                         aux_stream_list=None) for i in (0, 1)}
+    swa_bs, comp_bs, topk_w, window = 32, 64, 64, 128
+    i32 = dict(dtype=torch.int32)
+    models = {"deepseek_v41": (0, 1), "deepseek_v4": (0, 1, 2)}
+    built, vcfgs = {}, {}
+    for model, ids in models.items():
+        cls, vcfgs[model] = selector.ampere_class(model), _vllm_config(model)
+        with set_current_vllm_config(vcfgs[model]):
+            buf = torch.full((64, topk_w), -1, **i32)
+            for i in ids:
+                built[model, i] = cls(vcfgs[model], prefix=f"model.layers.{i}.attn",
+                                      topk_indices_buffer=buf, aux_stream_list=None)
 
-    from vllm.deepinfer import kv_record
-
-    def records(num_blocks, bs, _unused=0):
+    def records(num_blocks, bs):
         """A cache of valid 584-byte records (kv_record's page layout) from random rows."""
         cache = kv_record.new_cache(num_blocks, bs)
         kv_record.insert_rows(cache, torch.arange(num_blocks * bs),
@@ -426,101 +447,149 @@ def scenario_forward() -> None:
         o[:, 448::2], o[:, 449::2] = a * c + b * s_, b * c - a * s_
         return o
 
-    def run(i):
-        layer = layers[i]
-        torch.nn.init.normal_(layer.attn_sink, std=1.0, generator=g)
-        swa = records(8, swa_bs, 0)
-        layer.swa_cache_layer.kv_cache = swa
+    def slot(table_row, c, bs):
+        return int(table_row[c // bs]) * bs + c % bs
+
+    class Step:
+        """One layer's caches, top-k and metadata for ``positions`` (one request per
+        decode token, or one prefill request); ``keys[t]`` = the fp32 keys token t attends
+        to, compressed first, as the reference reads them."""
+
+        def __init__(self, model, i, positions, decode):
+            layer = self.layer = built[model, i]
+            self.model, self.positions, n = model, positions, len(positions)
+            torch.nn.init.normal_(layer.attn_sink, std=1.0, generator=g)
+            r = layer.compress_ratio
+            swa_only = r == 0 if model == "deepseek_v41" else r <= 1
+            max_pos = int(positions.max())
+            reqs = n if decode else 1
+            nb_swa = -(-(max_pos + 1) // swa_bs)
+            self.swa = records(reqs * nb_swa + 2, swa_bs)
+            layer.swa_cache_layer.kv_cache = self.swa
+            self.swa_bt = torch.randperm(reqs * nb_swa + 2, generator=g)[: reqs * nb_swa]
+            self.swa_bt = self.swa_bt.view(reqs, nb_swa).to(torch.int32)
+            self.keys = []
+            for t, p in enumerate(positions.tolist()):
+                row = self.swa_bt[t if decode else 0]
+                sl = [slot(row, x, swa_bs) for x in range(max(0, p - window + 1), p + 1)]
+                self.keys.append(kv_record.read_rows(self.swa, torch.tensor(sl)))
+            self.swa_slots = [None] * n
+            self.comp = self.comp_md = None
+            self.extra_lists = None
+            if swa_only:
+                return
+            nb_c = -(-((max_pos + 1) // r + 1) // comp_bs)
+            self.comp = records(reqs * nb_c + 1, comp_bs)
+            layer.kv_cache = self.comp
+            comp_bt = torch.randperm(reqs * nb_c + 1, generator=g)[: reqs * nb_c]
+            comp_bt = comp_bt.view(reqs, nb_c).to(torch.int32)
+            self.comp_md = SimpleNamespace(block_table=comp_bt, block_size=comp_bs * r)
+            local = torch.full((n, topk_w), -1, **i32)
+            self.extra_lists = []
+            for t, p in enumerate(positions.tolist()):
+                avail = (p + 1) // r
+                k = min(avail, topk_w)
+                # C128A selects every compressed position (upstream's metadata); the
+                # indexer layers a random subset.
+                chosen = (torch.arange(k) if r == 128 else
+                          torch.randperm(avail, generator=g)[:k]).to(torch.int32)
+                local[t, :k] = chosen
+                row = comp_bt[t if decode else 0]
+                sl = [slot(row, c, comp_bs) for c in chosen.tolist()]
+                self.extra_lists.append(sl)
+                self.keys[t] = torch.cat([kv_record.read_rows(self.comp, torch.tensor(sl,
+                                          dtype=torch.int64)), self.keys[t]])
+            if r == 128:
+                if decode:
+                    glob = torch.full((n, topk_w), -1, **i32)
+                    for t, sl in enumerate(self.extra_lists):
+                        glob[t, : len(sl)] = torch.tensor(sl, **i32)
+                    self.comp_md.c128a_global_decode_topk_indices = glob.view(n, 1, -1)
+                    self.comp_md.c128a_decode_topk_lens = torch.tensor(
+                        [len(x) for x in self.extra_lists], **i32)
+                else:
+                    self.comp_md.c128a_prefill_topk_indices = local
+            else:
+                layer.topk_indices_buffer[:n] = local
+
+        def metadata(self, swa_md):
+            layer = self.layer
+            attn = {layer.swa_cache_layer.prefix: swa_md}
+            if self.comp_md is not None:
+                key = (layer.compressed_cache_prefix if self.model == "deepseek_v41"
+                       else layer.prefix)
+                attn[key] = self.comp_md
+            return attn
+
+        def run(self, attn, q, *, bf16_like_gpu):
+            out = torch.full_like(q, 7.0)
+            ctx = ForwardContext(no_compile_layers={}, attn_metadata=attn, slot_mapping={})
+            saved = []
+
+            def set_saving(obj, name, value):
+                saved.append((obj, name, getattr(obj, name)))
+                setattr(obj, name, value)
+            if bf16_like_gpu:  # upstream's bf16 prefill kernel
+                interp_bf16.patch(set_saving)
+            try:
+                with set_current_vllm_config(vcfgs[self.model]), override_forward_context(ctx):
+                    self.layer.forward_mqa(q, None, self.positions, out)
+            finally:
+                for obj, name, value in reversed(saved):
+                    setattr(obj, name, value)
+            return out
+
+        def errors(self, q, out):
+            worst, ref_max = 0.0, 0.0
+            for t, p in enumerate(self.positions.tolist()):
+                o = reference(self.layer, q[t], self.keys[t], p)
+                worst = max(worst, float((out[t].float() - o).abs().max()))
+                ref_max = max(ref_max, float(o.abs().max()))
+            return {"ratio": self.layer.compress_ratio, "max_abs_err": worst,
+                    "ref_max": ref_max, "finite": bool(out.float().isfinite().all())}
+
+    def decode(model, i):
         positions = torch.tensor([150, 40, 300], dtype=torch.int64)
-        # SWA: each token's window slots (dense, -1 padded), lengths min(pos + 1, window).
+        n = len(positions)
+        st = Step(model, i, positions, decode=True)
+        layer = st.layer
         lens = torch.clamp(positions + 1, max=window).to(torch.int32)
-        swa_idx = torch.full((n, window), -1, dtype=torch.int32)
-        for t in range(n):
-            swa_idx[t, : lens[t]] = torch.randperm(8 * swa_bs, generator=g)[: lens[t]].int()
+        swa_idx = torch.full((n, window), -1, **i32)
+        for t, p in enumerate(positions.tolist()):
+            sl = [slot(st.swa_bt[t], x, swa_bs) for x in range(max(0, p - window + 1), p + 1)]
+            swa_idx[t, : len(sl)] = torch.tensor(sl, **i32)
         md = SimpleNamespace(num_decode_tokens=n, num_decodes=n, num_prefills=0,
                              decode_swa_indices=swa_idx, decode_swa_lens=lens,
-                             token_to_req_indices=torch.arange(n, dtype=torch.int32),
+                             token_to_req_indices=torch.arange(n, **i32),
                              is_valid_token=torch.ones(n, dtype=torch.bool))
-        attn = {layer.swa_cache_layer.prefix: md}
-        extra = {}
-        if layer.compress_ratio:
-            comp = records(6, comp_bs, 7)
-            layer.kv_cache = comp
-            table = torch.tensor([[3, 1, 5], [0, 2, 4], [5, 4, 3]], dtype=torch.int32)
-            attn[layer.compressed_cache_prefix] = SimpleNamespace(block_table=table,
-                                                                  block_size=comp_bs)
-            k_lens = [37, 64, 20]
-            local = torch.full((n, 64), -1, dtype=torch.int32)
-            for t, k in enumerate(k_lens):
-                local[t, :k] = torch.randperm(3 * comp_bs, generator=g)[:k].int()
-            topk_buf[:n] = local
-            glob = [table[t, local[t, :k].long() // comp_bs].long() * comp_bs
-                    + local[t, :k].long() % comp_bs for t, k in enumerate(k_lens)]
-            extra = dict(extra_cache=comp, extra_indices=torch.cat(glob).int(),
-                         extra_indptr=torch.tensor([0] + list(
-                             torch.tensor(k_lens).cumsum(0)), dtype=torch.int32))
         q = torch.randn(n, layer.padded_heads, 512, generator=g).to(torch.bfloat16)
-        out = torch.full_like(q, 7.0)
-        ctx = ForwardContext(no_compile_layers={}, attn_metadata=attn, slot_mapping={})
-        with set_current_vllm_config(vcfg), override_forward_context(ctx):
-            layer.forward_mqa(q, None, positions, out)
+        out = st.run(st.metadata(md), q, bf16_like_gpu=False)
+        extra = {}
+        if st.extra_lists is not None:
+            flat = [x for sl in st.extra_lists for x in sl]
+            ptr = [0]
+            for sl in st.extra_lists:
+                ptr.append(ptr[-1] + len(sl))
+            extra = dict(extra_cache=st.comp, extra_indices=torch.tensor(flat, **i32),
+                         extra_indptr=torch.tensor(ptr, **i32))
         main = torch.cat([swa_idx[t, : lens[t]] for t in range(n)])
-        indptr = torch.tensor([0] + list(lens.long().cumsum(0)), dtype=torch.int32)
+        indptr = torch.tensor([0] + list(lens.long().cumsum(0)), **i32)
         want = routing.sparse_attn_decode(
-            q, swa, main, indptr, layer.scale, layer.attn_sink, 448, 64, **extra,
-            inv_rope_positions=positions,
-            inv_rope_cos_sin_cache=layer.rotary_emb.cos_sin_cache)
-        worst = 0.0
-        for t in range(n):
-            keys = kv_record.read_rows(swa, swa_idx[t, : lens[t]].long())
-            if extra:
-                e0, e1 = int(extra["extra_indptr"][t]), int(extra["extra_indptr"][t + 1])
-                keys = torch.cat([keys, kv_record.read_rows(
-                    extra["extra_cache"], extra["extra_indices"][e0:e1].long())])
-            o = reference(layer, q[t], keys, int(positions[t]))
-            worst = max(worst, float((out[t].float() - o).abs().max()))
-        return {"ratio": layer.compress_ratio, "max_abs_err": worst,
-                "bytes_equal": torch.equal(out.view(torch.int16), want.view(torch.int16)),
-                "finite": bool(out.float().isfinite().all()),
-                "max_abs": float(out.float().abs().max())}
+            q, st.swa, main, indptr, layer.scale, layer.attn_sink, 448, 64, **extra,
+            inv_rope_positions=positions, inv_rope_cos_sin_cache=layer.rotary_emb.cos_sin_cache)
+        res = st.errors(q, out)
+        res["bytes_equal"] = torch.equal(out.view(torch.int16), want.view(torch.int16))
+        return res
 
-    def prefill(i):
-        """One request: 20 new tokens after 100 cached, through forward_mqa's prefill
-        (gather, combine, upstream's bf16 prefill kernel, the inverse RoPE), against plain
-        torch attention over the same records (top-k compressed + window, sink, inverse
-        RoPE). Upstream's bf16 kernel runs with bf16 math emulated as on a GPU."""
-        import interp_bf16
-        from vllm.v1.attention.ops import rocm_aiter_mla_sparse as ras
-        from vllm.v1.worker.workspace import init_workspace_manager
-        # Upstream's launcher refuses CPU tensors (it guards real launches); the
-        # interpreter runs them. Its inputs go in as a Tensor subclass that says "not CPU".
-        launch = ras._rocm_sparse_attn_prefill_ragged_triton
-        if not getattr(launch, "_probe_wrapped", False):
-            class NotCpu(torch.Tensor):
-                @property
-                def is_cpu(self):
-                    return False
-
-            def wrapped(q, kv, indices, indptr, *a, **k):
-                sub = [t.as_subclass(NotCpu) for t in (q, kv, indices, indptr)]
-                return launch(*sub, *a, **k)
-            wrapped._probe_wrapped = True
-            ras._rocm_sparse_attn_prefill_ragged_triton = wrapped
-        try:
-            init_workspace_manager(torch.device("cpu"))
-        except Exception:  # already initialised
-            pass
-        layer = layers[i]
-        r, ctx_len, q_len = layer.compress_ratio, 100, 20
+    def prefill(model, i):
+        """One request: 20 new tokens after 300 cached."""
+        ctx_len, q_len = 300, 20
         seq = ctx_len + q_len
-        torch.nn.init.normal_(layer.attn_sink, std=1.0, generator=g)
-        swa = records(6, swa_bs, 0)
-        layer.swa_cache_layer.kv_cache = swa
-        swa_bt = torch.tensor([[4, 0, 5, 2]], dtype=torch.int32)
         positions = torch.arange(ctx_len, seq, dtype=torch.int64)
-        i32 = dict(dtype=torch.int32)
+        st = Step(model, i, positions, decode=False)
+        layer = st.layer
         md = DeepseekSparseSWAMetadata(
-            block_table=swa_bt, slot_mapping=torch.zeros(q_len, dtype=torch.int64),
+            block_table=st.swa_bt, slot_mapping=torch.zeros(q_len, dtype=torch.int64),
             block_size=swa_bs, seq_lens=torch.tensor([seq], **i32),
             query_start_loc=torch.tensor([0, q_len], **i32),
             query_start_loc_cpu=torch.tensor([0, q_len], **i32),
@@ -533,57 +602,14 @@ def scenario_forward() -> None:
             prefill_query_lens_cpu=torch.tensor([q_len], **i32),
             prefill_window_size=window, prefill_max_model_len=layer.max_model_len,
             prefill_max_num_batched_tokens=layer.max_num_batched_tokens)
-        attn = {layer.swa_cache_layer.prefix: md}
-        keys_of = []  # per token: fp32 keys the reference attends to
-        for p in positions.tolist():
-            slots = [int(swa_bt[0, x // swa_bs]) * swa_bs + x % swa_bs
-                     for x in range(max(0, p - window + 1), p + 1)]
-            keys_of.append(kv_record.read_rows(swa, torch.tensor(slots)))
-        if r:
-            comp = records(4, comp_bs, 3)
-            layer.kv_cache = comp
-            comp_bt = torch.tensor([[2, 0, 3]], dtype=torch.int32)
-            attn[layer.compressed_cache_prefix] = SimpleNamespace(block_table=comp_bt,
-                                                                  block_size=comp_bs * r)
-            local = torch.full((q_len, 64), -1, dtype=torch.int32)
-            for t, p in enumerate(positions.tolist()):
-                k = min((p + 1) // r, 64)
-                local[t, :k] = torch.randperm((p + 1) // r, generator=g)[:k].int()
-                slots = [int(comp_bt[0, c // comp_bs]) * comp_bs + c % comp_bs
-                         for c in local[t, :k].tolist()]
-                keys_of[t] = torch.cat([kv_record.read_rows(comp, torch.tensor(slots)),
-                                        keys_of[t]])
-            topk_buf[:q_len] = local
         q = torch.randn(q_len, layer.padded_heads, 512, generator=g).to(torch.bfloat16)
-        out = torch.full_like(q, 7.0)
-        ctx = ForwardContext(no_compile_layers={}, attn_metadata=attn, slot_mapping={})
-        saved = []
+        out = st.run(st.metadata(md), q, bf16_like_gpu=True)
+        return st.errors(q, out)
 
-        def set_saving(obj, name, value):
-            saved.append((obj, name, getattr(obj, name)))
-            setattr(obj, name, value)
-        # bf16 math as on a GPU for the forward only (the records were written without it).
-        interp_bf16.patch(set_saving)
-        try:
-            with set_current_vllm_config(vcfg), override_forward_context(ctx):
-                layer.forward_mqa(q, None, positions, out)
-        finally:
-            for obj, name, value in reversed(saved):
-                setattr(obj, name, value)
-        worst, ref_max = 0.0, 0.0
-        for t, p in enumerate(positions.tolist()):
-            o = reference(layer, q[t], keys_of[t], p)
-            worst = max(worst, float((out[t].float() - o).abs().max()))
-            ref_max = max(ref_max, float(o.abs().max()))
-        return {"ratio": r, "max_abs_err": worst, "ref_max": ref_max,
-                "ref_finite": all(bool(k.isfinite().all()) for k in keys_of),
-                "finite": bool(out.float().isfinite().all())}
-
-    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
-    for i in (0, 1):
-        record(f"forward/decode_layer{i}", lambda i=i: run(i))
-    for i in (0, 1):
-        record(f"forward/prefill_layer{i}", lambda i=i: prefill(i))
+    for model, ids in models.items():
+        for i in ids:
+            record(f"forward/{model}/decode_layer{i}", lambda m=model, i=i: decode(m, i))
+            record(f"forward/{model}/prefill_layer{i}", lambda m=model, i=i: prefill(m, i))
 
 
 # --------------------------------------------------------------------------- writers
