@@ -116,7 +116,7 @@ for _p in (REPO / "overlay", REPO / "build"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from vllm.deepinfer import arch  # noqa: E402
+from vllm.deepinfer import arch, kv_record  # noqa: E402
 from vllm.deepinfer.kernels import fp8_writers_v4 as w4  # noqa: E402
 from vllm.deepinfer.kernels import fp8_writers_v41 as w41  # noqa: E402
 from vllm.deepinfer.kernels import indexer_logits as ilog  # noqa: E402
@@ -228,15 +228,13 @@ def pow2_scale_exp(amax: torch.Tensor) -> torch.Tensor:
 
 def quantize_records(x: torch.Tensor) -> torch.Tensor:
     """fp32 [n, 512] (RoPE applied) -> record bytes [n, 584]: 448 e4m3 codes, 64 bf16, 7 UE8M0
-    scale bytes, a zero pad byte."""
-    n = x.shape[0]
-    blocks = x[:, :NOPE].reshape(n, NOPE // 64, 64)
-    e = pow2_scale_exp(blocks.abs().amax(-1))
-    codes = (blocks * torch.exp2(-e)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    out = torch.zeros(n, REC, dtype=torch.uint8, device=x.device)
-    out[:, :NOPE] = codes.view(torch.uint8).reshape(n, NOPE)
+    scale bytes, a zero pad byte. Codes and scales: the package's torch reference
+    (``kv_record.quantize_rows``); the RoPE values rounded as the kernels round them here."""
+    nope, scales, _ = kv_record.quantize_rows(x)
+    out = torch.empty(x.shape[0], REC, dtype=torch.uint8, device=x.device)
+    out[:, :NOPE] = nope
     out[:, NOPE:DATA] = bf16_round(x[:, NOPE:]).to(torch.bfloat16).contiguous().view(torch.uint8)
-    out[:, DATA:DATA + 7] = (e + 127).clamp(0, 255).to(torch.uint8)
+    out[:, DATA:] = scales
     return out
 
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from vllm.deepinfer import arch, compile_gate
+from vllm.deepinfer.kernels.kv_gather import sm_count_of
 
 # Index keys / queries of V4.1 and V4: 128 dims. Bytes per cache scale: one fp32.
 HEAD_DIM = 128
@@ -72,7 +73,6 @@ class LogitsTile:
 # sm_80 compile gate: 125-165 registers per thread, 24 KiB shared memory.
 _TILE = LogitsTile(block_n=64, num_warps=4, num_stages=1, programs_per_sm=16)
 TILES: dict[str, LogitsTile] = {v: _TILE for v in ("cpu", "sm80", "sm86", "sm89", "sm90", "sm100")}
-_INTERPRETER_SMS = 1
 
 
 @triton.jit
@@ -183,9 +183,7 @@ def _resolve(variant: str | None, tile: LogitsTile | None) -> tuple[LogitsTile, 
 
 def _programs(tile: LogitsTile, rows: int, max_len: int, device: torch.device,
               sm_count: int | None) -> int:
-    from vllm.deepinfer.kernels.kv_gather import sm_count_of
-    sms = sm_count if sm_count is not None else (
-        sm_count_of(device) if device.type == "cuda" else _INTERPRETER_SMS)
+    sms = sm_count if sm_count is not None else sm_count_of(device)  # 1 on CPU
     return max(1, min(triton.cdiv(max_len, tile.block_n),
                       triton.cdiv(tile.programs_per_sm * sms, max(rows, 1))))
 
