@@ -381,6 +381,12 @@ def test_ampere_indexer_scoring_is_upstreams_op(built, model):
     assert v["delegated_to_self"] is True
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_ampere_indexer_refuses_without_any_scorer(built, model):
+    err, msg = _error(built, f"{model}/indexer_scorer_off")
+    assert err == "RuntimeError" and "indexer_logits" in msg and "DeepGEMM" in msg, msg
+
+
 def test_patched_pack_seq_moves_fp8_bytes(writers):
     v = _value(writers, "writers.pack_seq_fp8")
     assert v == {"dtype": "torch.float8_e4m3fn", "shape": [3, 3, 4, 128], "bytes_equal": True}

@@ -367,6 +367,25 @@ def _forward_checks(model: str, built: dict, vcfg) -> None:
             return out
         record(f"{model}/indexer_scoring", scoring)
 
+        def scorer_switched_off():
+            """indexer_logits off and no DeepGEMM: the op refuses at construction."""
+            from vllm.deepinfer import routing
+            from vllm.deepinfer.attention.common import DeepinferAmpereSparseAttnIndexer
+            op = idx_layer.indexer.indexer_op
+            os.environ["DEEPINFER_INDEXER_LOGITS"] = "0"
+            routing.reset()
+            try:
+                with set_current_vllm_config(vcfg):
+                    DeepinferAmpereSparseAttnIndexer(
+                        op.k_cache, op.quant_block_size, op.scale_fmt, op.topk_tokens,
+                        op.head_dim, op.max_model_len, op.max_total_seq_len,
+                        op.topk_indices_buffer)
+                return "constructed"
+            finally:
+                os.environ.pop("DEEPINFER_INDEXER_LOGITS")
+                routing.reset()
+        record(f"{model}/indexer_scorer_off", scorer_switched_off)
+
 
 # --------------------------------------------------------------------------- forward
 def scenario_forward() -> None:

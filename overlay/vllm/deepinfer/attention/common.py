@@ -118,6 +118,13 @@ class DeepinferAmpereSparseAttnIndexer(SparseAttnIndexer):
         if use_fp4_cache:
             raise not_implemented("the MXFP4 indexer cache (indexer_kv_dtype='mxfp4'; "
                                   "e2m1 conversion needs sm_100)")
+        if not routing.use("indexer_logits"):
+            from vllm.utils.import_utils import has_deep_gemm
+            if not has_deep_gemm():
+                raise RuntimeError(
+                    "DeepInfer Ampere sparse indexer: the indexer_logits feature is switched "
+                    "off (DEEPINFER_INDEXER_LOGITS=0 / DEEPINFER_DISABLE) and DeepGEMM is not "
+                    "available, so nothing could score the indexer; unset the switch")
         if vllm_config.kernel_config.enable_jit_warmup:
             from vllm.v1.attention.ops.common import (_PACK_SEQ_TRITON_KERNEL,
                                                       _UNPACK_SEQ_TRITON_KERNEL)
