@@ -105,6 +105,9 @@ def _nvml_capability() -> tuple[int, int] | None:
 
 
 def device_capability() -> tuple[int, int] | None:
+    from vllm.deepinfer import emulate
+    if emulate.emulated() is not None:  # test-only A100-faithful mode (emulate.py)
+        return emulate.emulated()
     cap = _nvml_capability()
     if cap is not None:
         return cap
@@ -157,3 +160,5 @@ def reason() -> str:
 def reset_for_tests() -> None:
     global _VARIANT, _REASON
     _VARIANT, _REASON = None, ""
+    from vllm.deepinfer import emulate
+    emulate.reset_for_tests()

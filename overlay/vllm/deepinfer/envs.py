@@ -35,6 +35,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # sparse indexer has no scorer without ours, hence on for sm89 too.
     Feature("indexer_logits", _AMPERE | {"sm89"},
             "sparse-indexer MQA logits without DeepGEMM (fp8_fp4_[paged_]mqa_logits)"),
+    # The vLLM wheel bundles DeepGEMM, so has_deep_gemm() is True on an A100 although
+    # DeepGEMM has no kernels below 9.0 (its indexer metadata asserts, its GEMMs fail).
+    # On, has_deep_gemm() answers False below capability 9.0 (patch 0011); it never changes
+    # the answer from 9.0 up, hence on everywhere.
+    Feature("deep_gemm_gate", _ALL, "has_deep_gemm() is False below capability 9.0"),
 )}
 
 
