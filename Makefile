@@ -15,7 +15,7 @@ JOBS     ?= auto
 export DEEPINFER_BUILD := $(abspath $(BUILD))
 
 .PHONY: help venv upstream upstream-kernels patched combined combined-check overlay apply refresh \
-        gate verify test bench charts clean
+        gate verify test bench charts clean e2e
 
 help:
 	@echo "make verify   fetch vLLM 0.33.0, apply the series, build the combined patch and overlay,"
@@ -91,6 +91,18 @@ bench: upstream-kernels
 
 charts:
 	$(HOSTPY) benchmarks/charts.py benchmarks/results/*.json
+
+# GPU + an installed vLLM 0.33.0: install the overlay into the vLLM python imports (restoring
+# an older install of ours first), then benchmarks/e2e/e2e.py (docs/e2e.md). E2E_ARGS passes
+# options through, e.g. E2E_ARGS="--quick" or E2E_ARGS="--steps agree".
+e2e: $(BUILD)/overlay/MANIFEST.json
+	if $(HOSTPY) tools/install_overlay.py status 2>/dev/null | grep -q "overlay installed"; then \
+	  $(HOSTPY) tools/install_overlay.py restore; fi
+	$(HOSTPY) tools/install_overlay.py install --overlay $(BUILD)/overlay
+	PYTHONUNBUFFERED=1 $(HOSTPY) benchmarks/e2e/e2e.py $(E2E_ARGS)
+
+$(BUILD)/overlay/MANIFEST.json:
+	$(MAKE) overlay
 
 clean:
 	rm -rf $(BUILD)/patched $(BUILD)/overlay $(KERNELS) $(BUILD)/gate.json
