@@ -119,8 +119,25 @@ def main() -> int:
             extra += ["--batches", "1", "8", "32", "--prefill-lens", "1024", "8192"]
         for m in MODES:
             tput_outs.append((m, run_mode(work, TPUT_MODEL, m, "tput", False, extra)))
+    # Results from every run in the work folder, earlier invocations' too (so the steps can
+    # run as separate commands and still land in one file).
+    outs, tput_outs = [], []
+    for f in sorted(work.glob("*-agree-*.json")):
+        name, rest = _split_tag(f.stem)
+        mode, _, form = rest
+        outs.append(((name, mode, form == "eager"), f))
+    for m in MODES:
+        f = work / f"{TPUT_MODEL}-{m}-tput-graphs.json"
+        tput_outs.append((m, f if f.exists() else None))
     write_results(args, work, outs, tput_outs)
     return 0
+
+
+def _split_tag(stem: str):
+    for name in MODELS:
+        if stem.startswith(name + "-"):
+            return name, stem[len(name) + 1:].split("-")
+    raise ValueError(stem)
 
 
 def _meta(sample: dict) -> dict:
