@@ -40,6 +40,10 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # On, has_deep_gemm() answers False below capability 9.0 (patch 0011); it never changes
     # the answer from 9.0 up, hence on everywhere.
     Feature("deep_gemm_gate", _ALL, "has_deep_gemm() is False below capability 9.0"),
+    # mHC: V4's first-layer pre without DeepGEMM (whose tf32_hc_prenorm_gemm exists only
+    # from 9.0) and the Ampere-tuned TileLang configs (vllm.deepinfer.mhc). On for sm89
+    # too: it has no DeepGEMM either.
+    Feature("mhc", _AMPERE | {"sm89"}, "mHC pre/post on TileLang without DeepGEMM, Ampere configs"),
 )}
 
 
