@@ -84,7 +84,15 @@ class Recorder:
 
     def _wrap_ops(self):
         """Every op of vLLM's extension namespaces: importing vLLM's platform loads them."""
-        import vllm.platforms  # noqa: F401 - loads the extensions (registers their ops)
+        import importlib
+        from vllm.platforms import current_platform
+        current_platform.get_device_capability()  # resolving the platform loads vllm._C*
+        for mod in ("vllm._custom_ops", "vllm._moe_C_stable_libtorch", "vllm._moe_C",
+                    "vllm._flashmla_C", "vllm._flashmla_extension_C"):
+            try:
+                importlib.import_module(mod)  # each registers its op namespace
+            except Exception:  # noqa: BLE001 - an extension this build lacks
+                pass
         for qual in torch._C._dispatch_get_all_op_names():
             ns, _, rest = qual.partition("::")
             if (ns in _TORCH_NS or ns.startswith(_TORCH_NS_PREFIXES) or not rest

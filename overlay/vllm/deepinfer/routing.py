@@ -42,6 +42,15 @@ def cutedsl_allowed() -> bool:
     return cap is None or tuple(cap) >= CUTEDSL_MIN_CAPABILITY
 
 
+@functools.cache
+def cutedsl_usable() -> bool:
+    """CuTeDSL allowed here and its package installed: V4's head-512 compressor (patch 0012)
+    otherwise takes the Triton launcher instead of failing on ``import cutlass`` (a Hopper
+    host without nvidia-cutlass-dsl)."""
+    import importlib.util
+    return cutedsl_allowed() and importlib.util.find_spec("cutlass") is not None
+
+
 # DeepGEMM's kernels (GEMMs, MQA logits and their schedule metadata, mHC prenorm) exist for
 # SM90 and SM100 only.
 DEEP_GEMM_MIN_CAPABILITY = (9, 0)
@@ -66,7 +75,7 @@ def deep_gemm_allowed() -> bool:
 
 
 def reset() -> None:
-    for f in (_variant, use, cutedsl_allowed, deep_gemm_allowed):
+    for f in (_variant, use, cutedsl_allowed, cutedsl_usable, deep_gemm_allowed):
         f.cache_clear()
     arch.reset_for_tests()
 
