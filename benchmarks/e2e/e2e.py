@@ -44,15 +44,19 @@ MODES = ("a100", "sm90", "upstream")
 # Tolerances (docs/e2e.md says why): teacher-forced prompt positions.
 TOL = {"min_top1_agree": 0.98, "max_abs_dlogprob": 0.25}
 STAGGER_S = 25
+RUN_TIMEOUT_S = int(os.environ.get("DEEPINFER_E2E_RUN_TIMEOUT", "420"))
 
 
 def sh(cmd: list[str], log: Path, env=None, timeout=None) -> int:
     t0 = time.time()
     with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-    print(f"  [{r.returncode}] {time.time() - t0:6.1f}s {' '.join(cmd[1:4])} ... -> {log.name}",
-          flush=True)
-    return r.returncode
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    print(f"  [{rc}] {time.time() - t0:6.1f}s {log.stem}", flush=True)
+    return rc
 
 
 def make_checkpoints(work: Path, names) -> None:
@@ -76,7 +80,7 @@ def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=())
         cmd.append("--eager")
     if mode == "a100" and eager and task == "agree":
         cmd.append("--audit")
-    rc = sh(cmd, work / f"{tag}.log")
+    rc = sh(cmd, work / f"{tag}.log", timeout=RUN_TIMEOUT_S)
     return out if rc == 0 and out.exists() else None
 
 
