@@ -44,7 +44,7 @@ MODES = ("a100", "sm90", "upstream")
 # Tolerances (docs/e2e.md says why): teacher-forced prompt positions.
 TOL = {"min_top1_agree": 0.98, "max_abs_dlogprob": 0.25}
 STAGGER_S = 25
-RUN_TIMEOUT_S = int(os.environ.get("DEEPINFER_E2E_RUN_TIMEOUT", "420"))
+RUN_TIMEOUT_S = int(os.environ.get("E2E_RUN_TIMEOUT", "420"))
 
 
 def sh(cmd: list[str], log: Path, env=None, timeout=None) -> int:
