@@ -144,3 +144,22 @@ def test_reported_case_real_overlay_killed_after_30_of_40_copies(tmp_path):
     assert code == io.STATUS_NEEDS_ACTION and "PARTIAL install (30 of 40 files copied" in line
     io.restore(vllm)
     assert snapshot(vllm) == before
+
+
+def test_install_made_by_the_earlier_journal_less_version_is_restored(fake, tmp_path):
+    """Earlier versions wrote only .deepinfer-backup/state.json, after all copies: such an
+    install still reads as installed and restores byte-identical."""
+    import json
+    _, overlay, pristine = fake
+    vllm, _ = _fresh(fake, tmp_path)
+    io.install(vllm, overlay)
+    journal = json.loads((vllm / io.JOURNAL).read_text())
+    (vllm / io.JOURNAL).unlink()
+    manifest = json.loads((overlay / "MANIFEST.json").read_text())
+    (vllm / io.BACKUP / io.LEGACY_STATE).write_text(json.dumps({
+        "vllm_version": "0.33.0", "manifest": manifest,
+        "files": [{"rel": s["rel"], "action": s["action"]} for s in journal["steps"]]}))
+    code, line = io.status(vllm, overlay)
+    assert code == io.STATUS_ACTIVE, line
+    io.restore(vllm)
+    assert snapshot(vllm) == pristine

@@ -192,7 +192,7 @@ def read_journal(vllm_dir: Path) -> dict | None:
             steps = [{"rel": s["rel"], "action": s["action"],
                       "upstream_sha256": entries["vllm/" + s["rel"]]["upstream_sha256"],
                       "result_sha256": entries["vllm/" + s["rel"]]["result_sha256"],
-                      "mode": FILE_MODE} for s in st["files"]]
+                      "mode": None} for s in st["files"]]  # None: the backup's mode
         except (ValueError, KeyError, TypeError) as e:
             raise ToolError(f"{legacy} is unreadable ({e})") from None
         # that version made the directories of the files it added (vllm/deepinfer/...)
@@ -343,7 +343,9 @@ def _undo_steps(vllm_dir: Path, j: dict) -> None:
                 dst.unlink()
                 _checkpoint(f"removed {dst}")
         elif _sha(dst) != s["upstream_sha256"]:
-            _copy_verified(backup / s["rel"], dst, s["upstream_sha256"], s["mode"])
+            bk = backup / s["rel"]
+            mode = s["mode"] if s["mode"] is not None else bk.stat().st_mode & 0o7777
+            _copy_verified(bk, dst, s["upstream_sha256"], mode)
     _clean_tmp(vllm_dir, j["steps"])
     for rel in reversed(j["new_dirs"]):  # deepest first; only what the install made
         d = vllm_dir / rel
