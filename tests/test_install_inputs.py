@@ -304,3 +304,20 @@ def test_second_installer_at_the_same_time_is_refused(site, overlay):
     finally:
         os.close(fd)
     assert snapshot(site) == before
+
+
+def test_read_only_probe_in_process(site, overlay, monkeypatch):
+    """The same refusal where no read-only mount can be made (root without user
+    namespaces): the probe's file creation fails as on a read-only file system."""
+    import errno
+    import tempfile
+
+    def erofs(*a, dir=None, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), dir)
+    monkeypatch.setattr(tempfile, "mkstemp", erofs)
+    before = snapshot(site)
+    for dry in (True, False):
+        with pytest.raises(io.ToolError, match="is not writable \\(Read-only file system\\): "
+                           "nothing was changed"):
+            io.install(site, overlay, dry_run=dry)
+    assert snapshot(site) == before
