@@ -35,7 +35,8 @@ logger = logging.getLogger("vllm.deepinfer")
 # combined rows, 512-dim heads, 584 x block-size pages with block sizes 32/64/128, 64 heads).
 _INT = 16
 # Cache block sizes (tokens per page) the decode is compiled for: SWA pages are 32 tokens;
-# compressed/indexer pages 64 on SM90 and 128 elsewhere (DESIGN.md, V4.1 KV record).
+# compressed/indexer pages 64 on SM90 and 128 elsewhere (vLLM 0.33.0's V4.1 KV cache;
+# docs/ampere-path.md).
 SWA_BLOCK = 32
 COMPRESSED_BLOCK = {"sm90": 64}
 _DEFAULT_COMPRESSED_BLOCK = 128
