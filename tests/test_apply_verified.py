@@ -60,7 +60,8 @@ def test_apply_inside_another_git_repository(tmp_path, record):
     tree = _tree(outer / "src", record)
     r = _patchset("apply", "--tree", str(tree))
     assert r.returncode == 0, r.stderr
-    assert "applied and verified: 17 upstream files match RESULTS.sha256" in r.stdout
+    n = len(patchset.read_results())
+    assert f"applied and verified: {n} upstream files match RESULTS.sha256" in r.stdout
     assert _results_match(tree)
     assert patchset.verify_tree(tree) == []
 
@@ -76,7 +77,8 @@ def test_raw_git_apply_in_nested_repo_is_caught_and_explained(tmp_path, record):
     assert snapshot(tree) == before  # ... and nothing patched
     r = _patchset("verify", "--tree", str(tree))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "17 of 17 upstream files are unpatched" in r.stderr
+    n = len(patchset.read_results())
+    assert f"{n} of {n} upstream files are unpatched" in r.stderr
     assert f"inside the git repository {outer}" in r.stderr and "--directory=src" in r.stderr
     # the remedy the message names works
     assert _git(tree, "apply", "--directory=src", str(PATCH)).returncode == 0
