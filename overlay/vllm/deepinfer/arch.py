@@ -7,7 +7,8 @@ forces a variant; under ``TRITON_INTERPRET=1`` a forced GPU variant runs its own
 kernels on CPU tensors, which is how CPU tests cover the sm80 and sm90 code.
 
 Per-architecture settings live in ``VARIANTS`` (one row per variant); kernel modules
-keep their own tile tables keyed by variant name.
+keep their own tile tables keyed by variant name. Every kernel module resolves its
+``variant=`` argument with ``resolve`` and sizes its grids with ``sm_count``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ import logging
 import os
 
 logger = logging.getLogger("vllm.deepinfer")
+
+__all__ = ["Variant", "VARIANTS", "UnsupportedGPU", "variant_for_capability", "device_capability",
+           "interpreting", "resolve_variant", "current", "reason", "resolve", "sm_count",
+           "INTERPRETER_SMS", "reset_for_tests"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +157,42 @@ def current() -> Variant:
 def reason() -> str:
     current()
     return _REASON
+
+
+# ----------------------------------------------------------------------------- kernel helpers
+def resolve(variant: str | None, table=None) -> Variant:
+    """The variant a kernel call runs: ``variant`` by name, or this process's when None.
+    ``table`` (a kernel module's tile table) limits the names to its keys; an unknown name
+    raises one ValueError naming the argument and the choices."""
+    if variant is None:
+        return current()
+    if variant not in (VARIANTS if table is None else table):
+        raise ValueError(f"variant: {variant!r} is not one of "
+                         f"{', '.join(VARIANTS if table is None else table)}")
+    return VARIANTS[variant]
+
+
+# Streaming multiprocessors assumed for CPU tensors (the Triton interpreter): grids sized from
+# it stay tiny (each program loops over its share of the work), and split-K never splits.
+INTERPRETER_SMS = 1
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device) -> int:
+    """SMs of ``device`` (a torch.device), read once per CUDA device index and cached (the
+    property query costs host time on every launch otherwise); ``INTERPRETER_SMS`` for a
+    non-CUDA device."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    index = device.index
+    if index is None:
+        import torch
+        index = torch.cuda.current_device()
+    n = _SM_COUNTS.get(index)
+    if n is None:
+        import torch
+        n = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 def reset_for_tests() -> None:
