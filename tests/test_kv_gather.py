@@ -353,6 +353,20 @@ def test_checks_accept_valid_inputs():
         kg._check_inputs(**_args(out=None))
 
 
+def test_benchmark_tile_rows_are_variants(monkeypatch, device):
+    """A row added to TILES under its own name (the suite's sm80-int / sm80-e4b15 rows) runs
+    by that name and gives the sm80 row's bytes."""
+    monkeypatch.setitem(kg.TILES, "sm80-int", dataclasses.replace(kg.TILES["sm80"], decode="int"))
+    cache = make_cache(torch.Generator().manual_seed(2), 2, 64, device, nan_codes=False)
+    outs = []
+    for v in ("sm80", "sm80-int"):
+        outs.append(torch.zeros(1, 9, 512, dtype=torch.bfloat16, device=device))
+        kg.dequantize_and_gather_k_cache(outs[-1], cache, i32([9], device), None,
+                                         i32([[1]], device), 64, 0, variant=v)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert outs[0].view(torch.int16).ne(0).any()
+
+
 def test_fnuz_and_unknown_variant():
     with pytest.raises(NotImplementedError, match="ROCm"):
         kg.dequantize_and_gather_k_cache(**_args(), use_fnuz=True)

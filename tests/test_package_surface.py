@@ -56,7 +56,8 @@ def test_one_variant_and_sm_count_helper():
             assert "multi_processor_count" not in src, p
             assert "is not one of {', '.join(" not in src or p.name == "shapes.py", p
     for m in LAUNCHERS:
-        assert "arch.resolve(" in (PKG / "kernels" / f"{m}.py").read_text(), m
+        src = (PKG / "kernels" / f"{m}.py").read_text()
+        assert "arch.resolve(" in src or "arch.table_key(" in src, m
     assert "arch.resolve(" in (PKG / "fp8.py").read_text()
 
 
@@ -68,6 +69,9 @@ def test_arch_resolve_and_sm_count():
     with pytest.raises(ValueError, match=r"^variant: 'sm89' is not one of a, sm80$"):
         arch.resolve("sm89", {"a": 1, "sm80": 2})
     assert arch.sm_count(torch.device("cpu")) == arch.INTERPRETER_SMS
+    # Tables keyed by variant accept rows of their own (benchmark rows), by key only.
+    assert arch.table_key("sm80-int", {"sm80-int": 1}) == "sm80-int"
+    assert arch.table_key(None, arch.VARIANTS) == arch.current().name
 
 
 def test_check_builds_messages_only_on_failure():

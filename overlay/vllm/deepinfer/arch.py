@@ -20,7 +20,7 @@ import os
 logger = logging.getLogger("vllm.deepinfer")
 
 __all__ = ["Variant", "VARIANTS", "UnsupportedGPU", "variant_for_capability", "device_capability",
-           "interpreting", "resolve_variant", "current", "reason", "resolve", "sm_count",
+           "interpreting", "resolve_variant", "current", "reason", "resolve", "table_key", "sm_count",
            "INTERPRETER_SMS", "reset_for_tests"]
 
 
@@ -160,16 +160,22 @@ def reason() -> str:
 
 
 # ----------------------------------------------------------------------------- kernel helpers
+def table_key(variant: str | None, table) -> str:
+    """The row of a kernel module's table (tiles keyed by variant) a call uses: ``variant``,
+    or this process's variant when None. Any key of ``table`` is accepted (benchmarks add
+    rows of their own); an unknown one raises one ValueError naming the argument."""
+    name = current().name if variant is None else variant
+    if name not in table:
+        raise ValueError(f"variant: {name!r} is not one of {', '.join(table)}")
+    return name
+
+
 def resolve(variant: str | None, table=None) -> Variant:
-    """The variant a kernel call runs: ``variant`` by name, or this process's when None.
-    ``table`` (a kernel module's tile table) limits the names to its keys; an unknown name
-    raises one ValueError naming the argument and the choices."""
+    """The variant a kernel call runs: ``variant`` by name, or this process's when None;
+    ``table`` (a kernel module's tile table) limits the names to its keys."""
     if variant is None:
         return current()
-    if variant not in (VARIANTS if table is None else table):
-        raise ValueError(f"variant: {variant!r} is not one of "
-                         f"{', '.join(VARIANTS if table is None else table)}")
-    return VARIANTS[variant]
+    return VARIANTS[table_key(variant, VARIANTS if table is None else table)]
 
 
 # Streaming multiprocessors assumed for CPU tensors (the Triton interpreter): grids sized from

@@ -221,7 +221,7 @@ def dequantize_and_gather_k_cache(
             "use_fnuz=True reads FNUZ e4m3 (ROCm gfx942 caches); vllm.deepinfer serves CUDA "
             "only — route this call to upstream vLLM")
     _check_inputs(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
-    tile = TILES[arch.resolve(variant, TILES).name]
+    tile = TILES[arch.table_key(variant, TILES)]
     num_reqs = seq_lens.shape[0]
     cap = out.shape[1] - offset
     if max_gather_len is not None:
@@ -263,7 +263,7 @@ def compile_keys(variant: str | None = None) -> list[GatherKey]:
     """Every configuration a model can launch on ``variant``: three request buckets, with and
     without ``gather_lens`` (compressed gathers pass None). Block size, offset, strides and
     request count are runtime arguments, so nothing else multiplies the keys."""
-    tile = TILES[arch.resolve(variant, TILES).name]
+    tile = TILES[arch.table_key(variant, TILES)]
     return [GatherKey(tile.tokens, br, has, _DECODES[tile.decode], tile.num_warps)
             for br in _REQ_BUCKETS for has in (True, False)]
 

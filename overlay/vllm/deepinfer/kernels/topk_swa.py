@@ -144,7 +144,7 @@ def _vec(topk_width: int) -> int:
 
 
 def _tile(width: int, variant: str | None) -> CombineTile:
-    return next(t for t in TILES[arch.resolve(variant, TILES).name] if width <= t.max_width)
+    return next(t for t in TILES[arch.table_key(variant, TILES)] if width <= t.max_width)
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,7 +263,7 @@ def compile_keys(window_size: int, compress_ratios, topk: int,
     1 with top-k 0). Ratio 0 rows are round_up(window, 128) wide, ratios 1-4 rows
     round_up(topk + window, 128); a C128A (ratio >= 128) row's top-k width is the batch's
     active width, 128 .. topk in steps of 128, so every row width in that range counts."""
-    name = arch.resolve(variant, TILES).name
+    name = arch.table_key(variant, TILES)
     vec = _vec(topk)
     widths: set[int] = set()
     for r in {int(r) for r in compress_ratios}:
