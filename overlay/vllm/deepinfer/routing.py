@@ -15,6 +15,12 @@ from vllm.deepinfer.kv_record import RECORD_BYTES
 
 logger = logging.getLogger("vllm.deepinfer")
 
+__all__ = ["use", "cutedsl_allowed", "reset", "kv_gather", "combine_topk_swa_indices",
+           "sparse_attn_decode", "mqa_logits", "paged_mqa_logits", "pack_fp8_as_bytes",
+           "fp8_writers", "rope_quant_insert", "indexer_k_norm_rope_store",
+           "compress_norm_rope_store", "fused_inv_rope_fp8_quant", "fused_indexer_q_rope_quant",
+           "CUTEDSL_MIN_CAPABILITY"]
+
 # CuTeDSL's gather kernel is built from sm_89 PTX (cvt to/from e4m3); it cannot run below it.
 CUTEDSL_MIN_CAPABILITY = (8, 9)
 
