@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from vllm.deepinfer import arch, compile_gate
+from vllm.deepinfer.kernels.checks import check
 from vllm.deepinfer.fp8 import cvt_e4m3_to_f32
 
 # Rows per program: upstream's BLOCK_R (16 rows x DIM bytes keeps a 16-byte vector per thread
@@ -79,11 +80,6 @@ def _engram_lookup_kernel(weight, scales, ids, sorted_dst, out, vocab_start, voc
                      mask=valid[:, None])
 
 
-def _check(ok: bool, name: str, what: str) -> None:
-    if not ok:
-        raise ValueError(f"engram_lookup: {name}: {what}")
-
-
 def engram_lookup(weight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
                   sorted_dst: torch.Tensor, out: torch.Tensor, vocab_start: int, vocab_end: int,
                   num_rows: int, *, head_start: int, local_heads: int, total_heads: int,
@@ -92,18 +88,19 @@ def engram_lookup(weight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
     """Upstream's lookup semantics (module docstring); ``weight`` is the e4m3 table
     [rows, dim] (float8_e4m3fn or its uint8 bytes), ``scales`` its UE8M0 bytes
     [rows, dim // quant_block]; ``out`` bf16 [.., dim] or uint8 packed rows."""
-    _check(weight.dtype in (torch.float8_e4m3fn, torch.uint8), "weight",
-           f"expected float8_e4m3fn or uint8, got {weight.dtype}")
-    _check(scales.dtype == torch.uint8, "scales", f"expected uint8 UE8M0 bytes, got {scales.dtype}")
-    _check(out.dtype in (torch.bfloat16, torch.uint8), "out",
-           f"expected bfloat16 or packed uint8, got {out.dtype}")
-    _check(dim & (dim - 1) == 0 and dim % quant_block == 0, "dim",
-           f"{dim} must be a power of two and a multiple of quant_block {quant_block}")
-    _check(weight.is_contiguous() and scales.is_contiguous(), "weight/scales",
-           "must be contiguous")
-    _check(ids.dtype in (torch.int32, torch.int64), "ids", f"integer ids expected, got {ids.dtype}")
-    name = arch.current().name if variant is None else variant
-    hw = arch.VARIANTS[name].hw_fp8
+    check(weight.dtype in (torch.float8_e4m3fn, torch.uint8), "weight",
+          lambda: f"expected float8_e4m3fn or uint8, got {weight.dtype}")
+    check(scales.dtype == torch.uint8, "scales",
+          lambda: f"expected uint8 UE8M0 bytes, got {scales.dtype}")
+    check(out.dtype in (torch.bfloat16, torch.uint8), "out",
+          lambda: f"expected bfloat16 or packed uint8, got {out.dtype}")
+    check(dim & (dim - 1) == 0 and dim % quant_block == 0, "dim",
+          lambda: f"{dim} must be a power of two and a multiple of quant_block {quant_block}")
+    check(weight.is_contiguous() and scales.is_contiguous(), "weight/scales",
+          "must be contiguous")
+    check(ids.dtype in (torch.int32, torch.int64), "ids",
+          lambda: f"integer ids expected, got {ids.dtype}")
+    hw = arch.resolve(variant).hw_fp8
     if ids.dim() == 2:
         st, sh = ids.stride()
     else:
