@@ -240,3 +240,26 @@ def test_tool_refuses_the_interpreter():
                         "--kernel", "fp8._e4m3_decode_kernel[sm80]"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "TRITON_INTERPRET" in r.stderr
+
+
+def test_decode_predictions_file():
+    """benchmarks/results/a100-model-decode-predictions.json: the measured H200 decode rows
+    of the results file it names, unchanged, plus A100 predictions for every Ampere-path row
+    (sm80 measured, sm80-2p predicted only) at or above the A100 limit."""
+    data = json.loads((REPO / "benchmarks" / "results" /
+                       "a100-model-decode-predictions.json").read_text())
+    src = json.loads((REPO / "benchmarks" / "results" / "h200-2026-11-29-final.json").read_text())
+    measured = {(r["variant"], json.dumps(r["shape"], sort_keys=True)): r["ours_us"]
+                for r in src["rows"] if r["kernel"] == "sparse_mla_decode"}
+    seen = set()
+    for r in data["rows"]:
+        key = (r["variant"], json.dumps(r["shape"], sort_keys=True))
+        seen.add(key)
+        if r["ours_us"] is not None:
+            assert measured[key] == r["ours_us"]
+        if r["variant"].startswith("sm80"):
+            for part in ("40gb", "80gb"):
+                assert r[f"predicted_a100_{part}_us"] >= r[f"a100_{part}_limit_us"] > 0
+    assert set(measured) <= seen
+    two = [r for r in data["rows"] if r["variant"] == "sm80-2p"]
+    assert len(two) == 10 and all(r["ours_us"] is None for r in two)

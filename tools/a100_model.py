@@ -27,7 +27,7 @@ roofline of the same launch: max(bytes / peak DRAM bandwidth, FLOPs / tensor rat
 
     python tools/a100_model.py counts   --kernel decode.sm80 --cc 80 [--ops]
     python tools/a100_model.py validate [--json F] [--markdown F]
-    python tools/a100_model.py decode   [--variant sm80] [--json F]
+    python tools/a100_model.py decode   [--variant sm80 ...] [--measured F] [--json F] [--chart P]
     python tools/a100_model.py annotate RESULTS.json [--out F] [--chart PNG]
 
 It compiles kernels, so it needs the real Triton (no TRITON_INTERPRET) and the overlay on
@@ -462,6 +462,7 @@ class Code:
     regs: int
     insts: list
     loops: list
+    key: str = ""   # build identity (kernel source, constexprs, specialization, target)
 
     def region_of(self, ins: Inst) -> int:
         """Index of the innermost loop holding ``ins`` (-1: straight-line code)."""
@@ -589,7 +590,7 @@ def compile_code(spec, cc: int, ints: dict | None = None, use_cache: bool = True
         raise ModelError(f"{spec.name} sm_{cc}: expected one function in the cubin, got "
                          f"{sorted(funcs)}")
     insts = next(iter(funcs.values()))
-    return Code(spec.name, cc, spec.num_warps, shared, regs, insts, find_loops(insts))
+    return Code(spec.name, cc, spec.num_warps, shared, regs, insts, find_loops(insts), key)
 
 
 # ============================================================================ model
@@ -623,7 +624,7 @@ def occupancy(code: Code, gpu: GPU) -> int:
 def _region_cycles(code: Code, gpu: GPU, warps: int, scale: float, cache: dict) -> dict:
     """Simulated cycles of each region for ``warps`` warps on one scheduler: straight-line
     code once; a loop as (first iteration, each further iteration) from three passes."""
-    key = (code.name, code.cc, gpu.name, warps, scale)
+    key = (code.key or id(code), code.name, code.cc, gpu.name, warps, scale)
     if key not in cache:
         wpc = max(1, code.num_warps // gpu.rates["issue"])
         out = {}
@@ -691,8 +692,10 @@ class Workload:
     variant: str
     shape: dict
     launches: list
-    bytes: float
+    bytes: float   # bytes the problem must move (the roofline limit's)
     flops: float   # useful FLOPs (for the roofline limit and TFLOP/s)
+    # DRAM bytes this implementation moves (the memory bound); None: ``bytes``.
+    traffic: float | None = None
 
 
 def predict(wl: Workload, gpu: GPU, latency_scale: float = 1.0) -> dict:
@@ -708,7 +711,8 @@ def predict(wl: Workload, gpu: GPU, latency_scale: float = 1.0) -> dict:
                       "occupancy": b["occupancy"], "bound": sm_bound, "sm_us": sm_us,
                       "bounds_us": {k: v / (gpu.clock_ghz * 1e3) for k, v in cyc.items()}})
         total_us += gpu.launch_us + sm_us
-    mem_us = wl.bytes / (gpu.hbm_gbps * gpu.hbm_efficiency) * 1e-3
+    traffic = wl.bytes if wl.traffic is None else wl.traffic
+    mem_us = traffic / (gpu.hbm_gbps * gpu.hbm_efficiency) * 1e-3
     launch_total = gpu.launch_us * len(wl.launches)
     bound = max(parts, key=lambda p: p["sm_us"])["bound"] if parts else "memory"
     if mem_us + launch_total > total_us:
@@ -769,8 +773,10 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     block_h, splits = smd.launch_plan(tokens, heads, float(keys), tile, sms)
     split = splits > 1
     swa_page, comp_page = 32, 64
-    spec = _spec(f"sparse_mla_decode.{'partial' if split else 'direct'}[{tv}]",
-                 INV_ROPE=False, MAIN_BS=swa_page, EXTRA_BS=comp_page, BLOCK_H=block_h)
+    spec = dataclasses.replace(
+        _spec(f"sparse_mla_decode.{'partial' if split else 'direct'}[{tv}]", INV_ROPE=False,
+              MAIN_BS=swa_page, EXTRA_BS=comp_page, BLOCK_H=block_h, BLOCK_N=tile.block_n),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     ints = dict(q_stride0=heads * HEAD_DIM, q_stride1=HEAD_DIM, out_stride0=heads * HEAD_DIM,
                 out_stride1=HEAD_DIM, main_stride0=swa_page * RECORD_BYTES,
                 extra_stride0=comp_page * RECORD_BYTES,
@@ -781,9 +787,26 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     head_tiles = math.ceil(heads / block_h)
     span = math.ceil(math.ceil(keys / splits) / tile.block_n) * tile.block_n
     trips = math.ceil(min(span, keys) / tile.block_n)
-    launches = [Launch(code, head_tiles * splits * tokens, {_main_loop(code): trips})]
+    launches = []
+    traffic = None
+    if tile.predequant:
+        # Phase 1: each token's keys dequantized once into bf16 rows (+1 validity byte).
+        pspec = _spec(f"sparse_mla_decode.predequant[{tv}]", MAIN_BS=swa_page,
+                      EXTRA_BS=comp_page, DECODE=smd.PREDEQUANT_DECODES[tile.predequant_decode])
+        pcode = code_for(pspec, cc, {k: ints[k] for k in ("main_stride0", "extra_stride0",
+                                                           "main_rows", "extra_rows")})
+        bn = smd.PREDEQUANT_BLOCK_N
+        per_token = max(1, min(math.ceil(keys / bn),
+                               math.ceil(smd.PREDEQUANT_PROGRAMS_PER_SM * sms / tokens)))
+        launches.append(Launch(pcode, per_token * tokens,
+                               {_main_loop(pcode): math.ceil(math.ceil(keys / bn) / per_token)}))
+        ws = tokens * keys * (HEAD_DIM * 2 + 1)
+        # The workspace is written once and read back (once from DRAM; the other head
+        # tiles of a token find it in L2).
+        traffic = tokens * keys * RECORD_BYTES + 2 * ws + 2 * (2 * tokens * heads * HEAD_DIM)
+    launches.append(Launch(code, head_tiles * splits * tokens, {_main_loop(code): trips}))
     if split:
-        rspec = _spec(f"sparse_mla_decode.reduce[{tv}]", INV_ROPE=False,
+        rspec = _spec(f"sparse_mla_decode.reduce[{tv.split('-')[0]}]", INV_ROPE=False,
                       SPLITS_P2=1 << (splits - 1).bit_length())
         rcode = code_for(rspec, cc, dict(out_stride0=heads * HEAD_DIM, out_stride1=HEAD_DIM,
                                          cs_stride=0, num_heads=heads, num_splits=splits))
@@ -793,7 +816,7 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     flops = 2 * 2 * tokens * heads * keys * HEAD_DIM
     return Workload("sparse_mla_decode", variant,
                     dict(tokens=tokens, heads=heads, topk=topk, window=window),
-                    launches, nbytes, flops)
+                    launches, nbytes, flops, traffic)
 
 
 def gather_workload(shape: dict, variant: str, cc: int, sms: int) -> Workload:
@@ -995,15 +1018,15 @@ def validation_markdown(res: dict) -> str:
 DECODE_BATCHES = (1, 4, 16, 64, 128)
 
 
-def decode_predictions(variant: str, kernel_variant: str | None = None) -> list[dict]:
+def decode_predictions(variant: str) -> list[dict]:
     """A100 predictions (40 and 80 GB) for the decode suite's shapes (64 and 128 heads,
     top-k 512 + window 128), with the A100 roofline limit beside each."""
     rows = []
     for heads in (64, 128):
         for t in DECODE_BATCHES:
-            wl = decode_workload(t, heads, 512, 128, variant, 80, A100_40GB.sms, kernel_variant)
+            wl = decode_workload(t, heads, 512, 128, variant, 80, A100_40GB.sms)
             p40, p80 = predict(wl, A100_40GB), predict(wl, A100_80GB)
-            rows.append({"tokens": t, "heads": heads, "variant": kernel_variant or variant,
+            rows.append({"tokens": t, "heads": heads, "variant": variant,
                          "predicted_a100_40gb_us": round(p40["us"], 2),
                          "a100_40gb_limit_us": round(p40["limit_us"], 2),
                          "predicted_a100_80gb_us": round(p80["us"], 2),
@@ -1058,7 +1081,11 @@ def decode_chart(rows: list[dict], title: str, out: Path) -> Path:
 
     series: dict = collections.OrderedDict()
     for r in rows:
-        series.setdefault(f"H200 measured {r['variant']}", {})[label(r)] = r["ours_us"]
+        if r.get("ours_us") is not None:
+            series.setdefault(f"H200 measured {r['variant']}", {})[label(r)] = r["ours_us"]
+        elif r.get("predicted_h200_us") is not None:
+            series.setdefault(f"H200 predicted {r['variant']}", {})[label(r)] = \
+                r["predicted_h200_us"]
         if r.get("predicted_a100_40gb_us") is not None:
             series.setdefault(f"A100-40GB predicted {r['variant']}", {})[label(r)] = \
                 r["predicted_a100_40gb_us"]
@@ -1069,7 +1096,7 @@ def decode_chart(rows: list[dict], title: str, out: Path) -> Path:
     width = 0.8 / max(1, len(series))
     for k, (name, vals) in enumerate(series.items()):
         ax.bar([x - 0.4 + width * (k + 0.5) for x in range(len(labels))],
-               [vals.get(lab, 0) for lab in labels], width, label=name)
+               [vals.get(lab) or 0 for lab in labels], width, label=name)
     ax.plot(range(len(labels)), [limit40.get(lab, float("nan")) for lab in labels], "k_",
             markersize=18, label="A100-40GB limit (bytes/HBM, FLOPs/tensor)")
     ax.set_xticks(list(range(len(labels))))
@@ -1129,11 +1156,39 @@ def _validate(args) -> int:
 
 
 def _decode(args) -> int:
-    rows = decode_predictions(args.variant, args.kernel_variant)
+    """A100 predictions of the decode suite's shapes for each --variant; with --measured,
+    the H200 decode rows of that results file (annotated) come first, so the JSON and the
+    chart put measurement and prediction side by side."""
+    variants = args.variant or ["sm80"]
+    rows: list[dict] = []
+    if args.measured:
+        src = json.loads(Path(args.measured).read_text())
+        rows = [dict(r, source=Path(args.measured).name) for r in src["rows"]
+                if r.get("kernel") == "sparse_mla_decode"]
+        annotate_rows(rows, int(src["meta"].get("sm_count") or H200.sms))
+    have = {(r["variant"], json.dumps(r["shape"], sort_keys=True)) for r in rows}
+    for v in variants:
+        for p in decode_predictions(v):
+            shape = dict(tokens=p["tokens"], heads=p["heads"], topk=512, window=128)
+            if (v, json.dumps(shape, sort_keys=True)) in have:
+                continue
+            h = decode_workload(p["tokens"], p["heads"], 512, 128, v, 90, H200.sms)
+            rows.append({"kernel": "sparse_mla_decode", "variant": v, "shape": shape,
+                         "ours_us": None, "predicted_h200_us": round(predict(h, H200)["us"], 2),
+                         **{k: p[k] for k in ("predicted_a100_40gb_us", "predicted_a100_80gb_us",
+                                              "a100_40gb_limit_us", "a100_80gb_limit_us")},
+                         "a100_bound": p["bound"], "tflops_a100_40gb": p["tflops_a100_40gb"]})
+    out = {"meta": {**_meta(), "note": "predicted_* are model predictions (tools/a100_model.py);"
+                    " ours_us are H200 measurements where present"}, "rows": rows}
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     for r in rows:
-        print(r)
+        print(r["variant"], r["shape"]["tokens"], r["shape"]["heads"], r["shape"]["topk"],
+              r.get("ours_us"), r.get("predicted_h200_us"), r.get("predicted_a100_40gb_us"),
+              r.get("predicted_a100_80gb_us"), r.get("a100_40gb_limit_us"))
+    if args.chart:
+        print(decode_chart(rows, "sparse_mla_decode — H200 measured (where present), A100 "
+                           "predicted by tools/a100_model.py", Path(args.chart)))
     return 0
 
 
@@ -1166,9 +1221,10 @@ def main(argv=None) -> int:
     v.add_argument("--json")
     v.add_argument("--markdown")
     d = sub.add_parser("decode", help="A100 predictions for the decode suite's shapes")
-    d.add_argument("--variant", default="sm80")
-    d.add_argument("--kernel-variant", help="tile-table row to compile (default: --variant)")
+    d.add_argument("--variant", action="append", help="decode tile row (repeatable; sm80)")
+    d.add_argument("--measured", help="an H200 results file whose decode rows go first")
     d.add_argument("--json")
+    d.add_argument("--chart", help="PNG chart of the rows (needs matplotlib)")
     n = sub.add_parser("annotate", help="add A100 predictions to a results file's decode rows")
     n.add_argument("results", help="a benchmarks/results/*.json file")
     n.add_argument("--out", help="write here instead of in place")

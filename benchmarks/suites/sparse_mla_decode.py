@@ -3,8 +3,11 @@
 Upstream: ``_sparse_attn_decode_ragged_kernel`` launched as ``_rocm_sparse_attn_decode_ragged_triton``
 launches it off ROCm (grid (tokens, cdiv(heads, 16)), BLOCK_H 16, BLOCK_K 16 for a 512-dim
 head, 8 warps, NOPE_BLOCK 512, OCP e4m3). Ours: ``sparse_attn_decode`` with the sm90 variant
-(hardware e4m3, Hopper tile) and the sm80 variant (software e4m3, the Ampere 48 KiB tile,
-here run on Hopper), the split count chosen by the kernel's own heuristic.
+(hardware e4m3, Hopper tile), the sm80 variant (software e4m3, the Ampere 48 KiB tile,
+here run on Hopper) and sm80-2p (the same in two phases: keys dequantized once per token
+into a bf16 workspace, then attended), the split count chosen by the kernel's own heuristic.
+``python tools/a100_model.py annotate RESULTS.json`` adds the A100 predictions of the
+Ampere rows afterwards (docs/a100-model.md).
 
 Shapes: DeepSeek-V4.1 decode, top-k 512 compressed keys (extra cache, 64-token pages) +
 SWA window 128 (main cache, 32-token pages), sink on, 64 and 128 heads, batches of 1, 4,
@@ -33,7 +36,8 @@ from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM
 
-OURS = ("sm90", "sm80")
+# sm80-2p: the two-phase Ampere decode (dequantize each token's keys once, then attend).
+OURS = ("sm90", "sm80", "sm80-2p")
 # V4.1 pages as the measuring GPU (SM90) lays them out: SWA pages, compressed pages.
 SWA_PAGE, COMP_PAGE = shapes.V41.swa_page, shapes.compressed_page("sm90")
 WINDOW, TOPK = shapes.V41.window, shapes.V41.topk

@@ -41,6 +41,10 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("kv_gather", _ALL, "dequantize_and_gather_k_cache (584-byte records)"),
     Feature("topk_swa", _ALL, "combine_topk_swa_indices"),
     Feature("sparse_mla_decode", _ALL, "unified 512-dim sparse MLA decode"),
+    # Off everywhere until measured on a GPU: =1 makes the software-e4m3 variants (sm80,
+    # sm86, cpu) decode in two phases (kernels/sparse_mla_decode.py, Tile.predequant).
+    Feature("decode_predequant", frozenset(),
+            "sparse MLA decode on Ampere: dequantize each key once per token, then attend"),
     # Below capability 9.0 no upstream DeepSeek-V4.1/V4 attention class can run (FlashMLA
     # sparse needs 9.x/10.x, FlashInfer sparse 10.x/12.x), hence on for sm89 too.
     # vllm.deepinfer.attention.selector routes _select_dsv4_attn_cls on it.

@@ -107,7 +107,8 @@ def _decode_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
                          INV_ROPE=inv_rope and not split, HW_FP8=arch.VARIANTS[variant].hw_fp8,
                          DOT_FP32=False, ALIGNED=True, MAIN_BS=SWA_BLOCK,
                          EXTRA_BS=extra_bs if extra else SWA_BLOCK, BLOCK_H=block_h,
-                         BLOCK_N=tile.block_n, PREFETCH=tile.prefetch)
+                         BLOCK_N=tile.block_n, PREFETCH=tile.prefetch,
+                         PREDEQUANT=tile.predequant)
                 key = WarmupKey("decode", tuple(sorted(c.items())), tile.num_warps,
                                 tile.num_stages, () if split else ("num_splits",))
                 if key not in keys:

@@ -41,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.deepinfer import arch
+from vllm.deepinfer import arch, envs
 from vllm.deepinfer.compile_gate import GateSpec, register
-from vllm.deepinfer.fp8 import cvt_e4m3_to_f32, ue8m0_to_f32
+from vllm.deepinfer.fp8 import (cvt_e4m3_to_f32, e4m3_to_f32_e4b15, e4m3_to_f32_f16bits,
+                                ue8m0_to_f32)
 from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check, check_tensor
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM
@@ -56,7 +57,8 @@ from vllm.deepinfer.kv_record import TL_QUANT_BLOCK as _CHUNK  # 64 columns per 
 from vllm.deepinfer.kv_record import TL_SCALE_BYTES as _SCALE  # 8 scale bytes (7 + pad)
 
 __all__ = ["sparse_attn_decode", "choose_num_splits", "launch_plan", "Tile", "TILES",
-           "REDUCE_UNROLL", "GATE_VARIANTS"]
+           "REDUCE_UNROLL", "GATE_VARIANTS", "PREDEQUANT_FEATURE", "PREDEQUANT_BLOCK_N",
+           "PREDEQUANT_WARPS", "PREDEQUANT_PROGRAMS_PER_SM", "PREDEQUANT_DECODES"]
 
 FEATURE = "sparse_mla_decode"
 # Softmax runs in the exp2 domain: scores and the sink are multiplied by log2(e) once.
@@ -68,6 +70,22 @@ NEG_LARGE = tl.constexpr(-3.4028234663852886e38)
 # Split partials the reduce kernel loads per round: 4 independent [8, 512] fp32 loads in
 # flight (32 registers each over 128 threads) instead of one dependent load per split.
 REDUCE_UNROLL = 4
+# The two-phase path (Tile.predequant). Its switch for sm80/sm86/cpu: DEEPINFER_DECODE_PREDEQUANT.
+PREDEQUANT_FEATURE = "decode_predequant"
+# Phase 1 moves 584 B in and 1 KiB out per key, like the KV gather: its tile (16 keys,
+# 4 warps) is the gather's, measured best there (kernels/kv_gather.py). Each program walks
+# key tiles p, p + P, ... of its token; P from 4 programs per SM, about what is resident
+# at once (95 registers: 5 CTAs), so one wave overlaps the loads of many tiles: the A100
+# model (tools/a100_model.py) puts phase 1 at 31 us for 64 tokens x 640 keys with 4, at
+# 69 us with 16 (several waves of latency-bound programs). Not measured on a GPU yet.
+PREDEQUANT_BLOCK_N = 16
+PREDEQUANT_WARPS = 4
+PREDEQUANT_PROGRAMS_PER_SM = 4
+# Exact software e4m3 decoders phase 1 can use (fp8.py; all bit-exact, NaN included):
+# the integer unpack, the fp16-bits shift, Triton's fp8e4b15 conversion. The "-2p" tiles
+# take e4b15: the gather measured it fastest on the H200, and the A100 model puts phase 1
+# at 51.5 us with it against 62.7 us with the integer unpack (128 tokens x 640 keys).
+PREDEQUANT_DECODES = {"int": 0, "f16bits": 1, "e4b15": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +108,15 @@ class Tile:
     # only 0-10% faster (batch 128: 365 vs 382 us), too little to risk spills on sm_80, whose
     # build is at 255 registers already.
     prefetch: bool = False
+    # Two phases (Ampere): a first kernel dequantizes each token's keys once into a bf16
+    # workspace (one pass over the records, shared by every head tile of the token); the
+    # attention kernel then reads plain bf16 rows, contiguous per token, with no e4m3 work
+    # and no slot arithmetic in its loop. Same tile, same 48 KiB. Off by default until
+    # measured on a GPU (docs/a100-model.md has the model's prediction): rows "*-2p" of
+    # this table, or DEEPINFER_DECODE_PREDEQUANT=1 on the software-e4m3 variants.
+    predequant: bool = False
+    # Phase 1's software e4m3 decoder (a PREDEQUANT_DECODES key).
+    predequant_decode: str = "int"
 
 
 # Tile table keyed by variant name (docs/sparse-mla-decode.md has the gate figures).
@@ -103,6 +130,19 @@ TILES: dict[str, Tile] = {
     "sm86": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
     # Interpreter (CPU tensors): the sm80 code path and tile.
     "cpu": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1),
+    # The two-phase Ampere path (``predequant``): selected by name (benchmarks, tests) or
+    # for sm80/sm86/cpu by DEEPINFER_DECODE_PREDEQUANT=1. Its attention kernel reads
+    # contiguous bf16 rows, which Triton's pipeliner stages with cp.async straight into
+    # shared memory, stored once for both dots: with 2 stages the sm_80 build takes 33 KiB
+    # (one stage: 48 KiB, the tile stored twice). Chosen with the A100 model over warps
+    # {2, 4, 8} x stages {1, 2, 3} x keys {16, 32} within 48 KiB (docs/a100-model.md);
+    # 32 keys x 2 stages needs 49 KiB. Not measured on a GPU yet.
+    "sm80-2p": Tile(block_h=16, block_n=16, num_warps=4, num_stages=2, ctas_per_sm=2,
+                    predequant=True, predequant_decode="e4b15"),
+    "sm86-2p": Tile(block_h=16, block_n=16, num_warps=4, num_stages=2, ctas_per_sm=2,
+                    predequant=True, predequant_decode="e4b15"),
+    "cpu-2p": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1,
+                   predequant=True, predequant_decode="e4b15"),
     # Ada: hardware e4m3, mma.sync like Ampere (no wgmma), 100 KiB per SM: the Ampere tile
     # keeps two CTAs per SM. Not measured by this project.
     "sm89": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
@@ -186,24 +226,88 @@ def _load_key_tile(k0, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, m
 
 
 @triton.jit
+def _build_key_rows(code, sbyte, rope_bits, HW_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DECODE: tl.constexpr = 0):
+    """[BLOCK_N, 512] fp32 key rows from a tile's raw bytes: chunks 0..6 the NoPE bytes times
+    their chunk's UE8M0 scale, chunk 7 the bf16 RoPE tail; NaN entries zeroed (upstream's
+    scrub). Every value is exact in bf16 (e4m3 times a power of two, or a bf16). DECODE
+    picks the exact software e4m3 decoder when HW_FP8 is off (PREDEQUANT_DECODES)."""
+    NOPE: tl.constexpr = _NOPE
+    chunk = tl.arange(0, _D // _CHUNK)
+    is_nope_chunk = chunk < NOPE // _CHUNK
+    if HW_FP8 or DECODE == 0:
+        x = cvt_e4m3_to_f32(code, HW_FP8)
+    elif DECODE == 1:
+        x = e4m3_to_f32_f16bits(code)
+    else:
+        x = e4m3_to_f32_e4b15(code)
+    nope = x * ue8m0_to_f32(sbyte)[:, :, None]
+    rope = (rope_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # exact bf16->f32
+    k = tl.where(is_nope_chunk[None, :, None], nope, rope[:, None, :])
+    k = tl.reshape(k, (BLOCK_N, _D))
+    return tl.where(k == k, k, 0.0)
+
+
+@triton.jit
+def _predequant_kernel(
+    main_cache_ptr, main_idx_ptr, main_indptr_ptr, extra_cache_ptr, extra_idx_ptr,
+    extra_indptr_ptr, ws_ptr, valid_ptr, main_stride0, extra_stride0, main_rows, extra_rows,
+    HAS_EXTRA: tl.constexpr, HW_FP8: tl.constexpr, ALIGNED: tl.constexpr,
+    MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, BLOCK_N: tl.constexpr, DECODE: tl.constexpr,
+):
+    """Phase 1 of the two-phase decode. Grid (programs per token, tokens): program p of a
+    token dequantizes key tiles p, p + P, ... of the token's virtual list [main keys, extra
+    keys] into bf16 workspace rows ``main_indptr[t] + extra_indptr[t] + j`` (the prefix
+    sum of the tokens' key counts, so each token's rows are contiguous) and writes a 0/1
+    validity byte per row (invalid slots: zero rows, flag 0)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    tok = tl.program_id(1)
+    cols = tl.arange(0, _D)
+    main_start = tl.load(main_indptr_ptr + tok)
+    main_len = tl.load(main_indptr_ptr + tok + 1) - main_start
+    if HAS_EXTRA:
+        extra_start = tl.load(extra_indptr_ptr + tok)
+        total = main_len + tl.load(extra_indptr_ptr + tok + 1) - extra_start
+    else:
+        extra_start = 0
+        total = main_len
+    base = main_start + extra_start
+    for k0 in range(pid * BLOCK_N, total, nprog * BLOCK_N):
+        code, sbyte, rope_bits, valid = _load_key_tile(
+            k0, total, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0,
+            main_rows, extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0, extra_rows,
+            HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
+        k = _build_key_rows(code, sbyte, rope_bits, HW_FP8, BLOCK_N, DECODE)
+        j = k0 + tl.arange(0, BLOCK_N)
+        live = j < total
+        row = (base + j).to(tl.int64)
+        tl.store(ws_ptr + row[:, None] * _D + cols[None, :], k.to(tl.bfloat16),
+                 mask=live[:, None])
+        tl.store(valid_ptr + row, valid.to(tl.uint8), mask=live)
+
+
+@triton.jit
 def _sparse_mla_decode_kernel(
     q_ptr, main_cache_ptr, main_idx_ptr, main_indptr_ptr,
     extra_cache_ptr, extra_idx_ptr, extra_indptr_ptr,
-    sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, cs_ptr,
+    sink_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, cs_ptr, ws_ptr, valid_ptr,
     q_stride0, q_stride1, out_stride0, out_stride1, main_stride0, extra_stride0,
     main_rows, extra_rows, cs_stride,
     qk_scale, num_heads, num_splits,
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     INV_ROPE: tl.constexpr, HW_FP8: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
     MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PREDEQUANT: tl.constexpr,
 ):
     """Grid (head tiles, splits, tokens). ``qk_scale`` = softmax scale * log2(e).
 
     SPLIT: write unnormalized (acc, m, l) of this split to the fp32 workspaces (m in the
     log2 domain, before the sink); else finish (sink, normalize, inverse RoPE) and store
-    bf16. DOT_FP32 is an interpreter-only switch: the Triton interpreter computes bf16
-    ``tl.dot`` on raw bit patterns, so there the dots take fp32 operands.
+    bf16. PREDEQUANT: the keys come as bf16 rows of ``_predequant_kernel``'s workspace
+    (``ws_ptr``, validity bytes ``valid_ptr``) instead of records. DOT_FP32 is an
+    interpreter-only switch: the Triton interpreter computes bf16 ``tl.dot`` on raw bit
+    patterns, so there the dots take fp32 operands.
     """
     D: tl.constexpr = _D
     NOPE: tl.constexpr = _NOPE
@@ -214,8 +318,6 @@ def _sparse_mla_decode_kernel(
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     cols = tl.arange(0, D)
-    chunk = tl.arange(0, D // _CHUNK)    # 64-column chunks of a row: 7 NoPE, then RoPE
-    is_nope_chunk = chunk < NOPE // _CHUNK
     q = tl.load(q_ptr + tok * q_stride0 + heads[:, None] * q_stride1 + cols[None, :],
                 mask=hmask[:, None], other=0.0)
     if DOT_FP32:
@@ -237,32 +339,38 @@ def _sparse_mla_decode_kernel(
     m_i = tl.full((BLOCK_H,), NEG_LARGE, tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
-    if PREFETCH:  # the first tile's bytes; each iteration then loads the next one's
+    ws_base = main_start + extra_start  # this token's first workspace row (PREDEQUANT)
+    if PREFETCH and not PREDEQUANT:  # the first tile's bytes; each iteration the next one's
         code, sbyte, rope_bits, valid = _load_key_tile(
             lo, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0, main_rows,
             extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0, extra_rows,
             HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
     for k0 in tl.range(lo, hi, BLOCK_N):
-        if PREFETCH:
-            cur_code, cur_sbyte, cur_rope, cur_valid = code, sbyte, rope_bits, valid
-            code, sbyte, rope_bits, valid = _load_key_tile(
-                k0 + BLOCK_N, hi, main_cache_ptr, main_idx_ptr, main_start, main_len,
-                main_stride0, main_rows, extra_cache_ptr, extra_idx_ptr, extra_start,
-                extra_stride0, extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
+        if PREDEQUANT:
+            j = k0 + tl.arange(0, BLOCK_N)
+            live = j < hi
+            row = (ws_base + j).to(tl.int64)
+            k = tl.load(ws_ptr + row[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
+            cur_valid = tl.load(valid_ptr + row, mask=live, other=0) != 0
+            if DOT_FP32:
+                k = k.to(tl.float32)
         else:
-            cur_code, cur_sbyte, cur_rope, cur_valid = _load_key_tile(
-                k0, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0,
-                main_rows, extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0,
-                extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
-        # One [BLOCK_N, 512] operand, built as [BLOCK_N, 8, 64]: chunks 0..6 are the NoPE
-        # bytes times their chunk's UE8M0 scale, chunk 7 the bf16 RoPE tail.
-        nope = cvt_e4m3_to_f32(cur_code, HW_FP8) * ue8m0_to_f32(cur_sbyte)[:, :, None]
-        rope = (cur_rope.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # exact bf16->f32
-        k = tl.where(is_nope_chunk[None, :, None], nope, rope[:, None, :])
-        k = tl.reshape(k, (BLOCK_N, D))
-        k = tl.where(k == k, k, 0.0)  # NaN scrub, as upstream
-        if not DOT_FP32:
-            k = k.to(tl.bfloat16)
+            if PREFETCH:
+                cur_code, cur_sbyte, cur_rope, cur_valid = code, sbyte, rope_bits, valid
+                code, sbyte, rope_bits, valid = _load_key_tile(
+                    k0 + BLOCK_N, hi, main_cache_ptr, main_idx_ptr, main_start, main_len,
+                    main_stride0, main_rows, extra_cache_ptr, extra_idx_ptr, extra_start,
+                    extra_stride0, extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
+            else:
+                cur_code, cur_sbyte, cur_rope, cur_valid = _load_key_tile(
+                    k0, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0,
+                    main_rows, extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0,
+                    extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
+            # One [BLOCK_N, 512] operand (chunks 0..6 NoPE bytes times their scale, chunk 7
+            # the bf16 RoPE tail), NaN-scrubbed.
+            k = _build_key_rows(cur_code, cur_sbyte, cur_rope, HW_FP8, BLOCK_N)
+            if not DOT_FP32:
+                k = k.to(tl.bfloat16)
 
         s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(cur_valid[None, :], s, NEG_LARGE)
@@ -409,8 +517,10 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     (``choose_num_splits``); an int forces it (tests). ``variant``: tile/fp8 variant,
     None meaning ``arch.current().name``; "cpu" runs the sm80 code in the interpreter.
     """
-    v = arch.resolve(variant, TILES)
-    tile = TILES[v.name]
+    name = arch.table_key(variant, TILES)
+    v = arch.VARIANTS[name.split("-")[0]]  # "sm80-2p": the sm80 variant's fp8 and tiles
+    tile = TILES[name]
+    predequant = tile.predequant or (not v.hw_fp8 and envs.enabled(PREDEQUANT_FEATURE, v.name))
     check_tensor(q, "q", dtypes=_BF16, ndim=3)
     dev = q.device
     check(q.shape[2] == HEAD_DIM and q.stride(2) == 1, "q",
@@ -491,9 +601,29 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     aligned = all(c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0
                   for c in (main_cache, extra_cache))
 
+    if predequant:
+        # One bf16 row and one validity byte per (token, key): rows of token t start at
+        # main_indptr[t] + extra_indptr[t] (both prefix sums), sized from the index lists.
+        rows = main_indices.numel() + (extra_indices.numel() if has_extra else 0)
+        ws = torch.empty(max(rows, 1), HEAD_DIM, dtype=torch.bfloat16, device=dev)
+        valid = torch.empty(max(rows, 1), dtype=torch.uint8, device=dev)
+        per_token = max(1, min(triton.cdiv(max(1, int(avg_keys)), tile.block_n),
+                               triton.cdiv(PREDEQUANT_PROGRAMS_PER_SM * arch.sm_count(dev),
+                                           tokens)))
+        _predequant_kernel[(per_token, tokens)](
+            main_cache, main_indices, main_indptr, extra_cache, extra_indices, extra_indptr,
+            ws, valid, main_cache.stride(0), extra_cache.stride(0),
+            main_cache.shape[0] * main_cache.shape[1],
+            extra_cache.shape[0] * extra_cache.shape[1],
+            HAS_EXTRA=has_extra, HW_FP8=v.hw_fp8, ALIGNED=aligned, MAIN_BS=main_cache.shape[1],
+            EXTRA_BS=extra_cache.shape[1], BLOCK_N=PREDEQUANT_BLOCK_N,
+            DECODE=PREDEQUANT_DECODES[tile.predequant_decode], num_warps=PREDEQUANT_WARPS,
+            num_stages=1)
+    else:
+        ws, valid = out, main_indptr  # unused: PREDEQUANT=False reads the records
     _sparse_mla_decode_kernel[(head_tiles, num_kv_splits, tokens)](
         q, main_cache, main_indices, main_indptr, extra_cache, extra_indices, extra_indptr,
-        sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg,
+        sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg, ws, valid,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         main_cache.stride(0), extra_cache.stride(0),
         main_cache.shape[0] * main_cache.shape[1], extra_cache.shape[0] * extra_cache.shape[1],
@@ -502,7 +632,8 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
         HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope and not split,
         HW_FP8=v.hw_fp8, DOT_FP32=arch.interpreting(), ALIGNED=aligned,
         MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1], BLOCK_H=block_h, BLOCK_N=tile.block_n,
-        PREFETCH=tile.prefetch, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        PREFETCH=tile.prefetch, PREDEQUANT=predequant, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
     if split:
         rbh = tile.reduce_block_h
         _sparse_mla_decode_reduce_kernel[(triton.cdiv(heads, rbh), tokens)](
@@ -518,14 +649,23 @@ _MAIN_SIG = {
     "q_ptr": "*bf16", "main_cache_ptr": "*u8", "main_idx_ptr": "*i32", "main_indptr_ptr": "*i32",
     "extra_cache_ptr": "*u8", "extra_idx_ptr": "*i32", "extra_indptr_ptr": "*i32",
     "sink_ptr": "*fp32", "out_ptr": "*bf16", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-    "part_acc_ptr": "*fp32", "pos_ptr": "*i64", "cs_ptr": "*fp32",
+    "part_acc_ptr": "*fp32", "pos_ptr": "*i64", "cs_ptr": "*fp32", "ws_ptr": "*bf16",
+    "valid_ptr": "*u8",
     **{k: "i32" for k in ("q_stride0", "q_stride1", "out_stride0", "out_stride1",
                           "main_stride0", "extra_stride0", "main_rows", "extra_rows",
                           "cs_stride")},
     "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32",
     **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE", "HW_FP8",
                                 "DOT_FP32", "ALIGNED", "MAIN_BS", "EXTRA_BS", "BLOCK_H",
-                                "BLOCK_N", "PREFETCH")},
+                                "BLOCK_N", "PREFETCH", "PREDEQUANT")},
+}
+_PREDEQUANT_SIG = {
+    "main_cache_ptr": "*u8", "main_idx_ptr": "*i32", "main_indptr_ptr": "*i32",
+    "extra_cache_ptr": "*u8", "extra_idx_ptr": "*i32", "extra_indptr_ptr": "*i32",
+    "ws_ptr": "*bf16", "valid_ptr": "*u8",
+    **{k: "i32" for k in ("main_stride0", "extra_stride0", "main_rows", "extra_rows")},
+    **{k: "constexpr" for k in ("HAS_EXTRA", "HW_FP8", "ALIGNED", "MAIN_BS", "EXTRA_BS",
+                                "BLOCK_N", "DECODE")},
 }
 _REDUCE_SIG = {
     "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "sink_ptr": "*fp32",
@@ -552,7 +692,8 @@ def _register() -> None:
                 constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split, INV_ROPE=not split,
                                 HW_FP8=arch.VARIANTS[v].hw_fp8, DOT_FP32=False, ALIGNED=True,
                                 MAIN_BS=GATE_SWA_PAGE, EXTRA_BS=GATE_COMPRESSED_PAGE,
-                                BLOCK_H=t.block_h, BLOCK_N=t.block_n, PREFETCH=t.prefetch),
+                                BLOCK_H=t.block_h, BLOCK_N=t.block_n, PREFETCH=t.prefetch,
+                                PREDEQUANT=False),
                 variants=(v,), num_warps=t.num_warps, num_stages=t.num_stages, feature=FEATURE))
         register(GateSpec(
             name=f"sparse_mla_decode.reduce[{v}]", kernel=_sparse_mla_decode_reduce_kernel,
@@ -560,6 +701,25 @@ def _register() -> None:
                                                    SPLITS_P2=GATE_SPLITS_P2, UNROLL=REDUCE_UNROLL,
                                                    BLOCK_H=t.reduce_block_h),
             variants=(v,), num_warps=t.reduce_warps, num_stages=1, feature=FEATURE))
+    # The two-phase Ampere path: its attention kernel (bf16 rows, both split modes) and its
+    # dequantizing first phase, on sm_80 (and sm_86).
+    t = TILES["sm80-2p"]
+    for split in (False, True):
+        register(GateSpec(
+            name=f"sparse_mla_decode.{'partial' if split else 'direct'}[sm80-2p]",
+            kernel=_sparse_mla_decode_kernel, signature=_MAIN_SIG,
+            constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split, INV_ROPE=not split,
+                            HW_FP8=False, DOT_FP32=False, ALIGNED=True, MAIN_BS=GATE_SWA_PAGE,
+                            EXTRA_BS=GATE_COMPRESSED_PAGE, BLOCK_H=t.block_h, BLOCK_N=t.block_n,
+                            PREFETCH=False, PREDEQUANT=True),
+            variants=("sm80",), num_warps=t.num_warps, num_stages=t.num_stages, feature=FEATURE))
+    register(GateSpec(
+        name="sparse_mla_decode.predequant[sm80-2p]", kernel=_predequant_kernel,
+        signature=_PREDEQUANT_SIG,
+        constexprs=dict(HAS_EXTRA=True, HW_FP8=False, ALIGNED=True, MAIN_BS=GATE_SWA_PAGE,
+                        EXTRA_BS=GATE_COMPRESSED_PAGE, BLOCK_N=PREDEQUANT_BLOCK_N,
+                        DECODE=PREDEQUANT_DECODES[t.predequant_decode]),
+        variants=("sm80",), num_warps=PREDEQUANT_WARPS, num_stages=1, feature=FEATURE))
 
 
 _register()

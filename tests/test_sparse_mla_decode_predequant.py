@@ -1,0 +1,138 @@
+"""The two-phase Ampere decode (Tile.predequant: rows "sm80-2p"/"sm86-2p"/"cpu-2p", or
+DEEPINFER_DECODE_PREDEQUANT=1 on the software-e4m3 variants).
+
+Phase 1 writes each token's keys once as bf16 rows; phase 2 is the same attention kernel
+reading them. Every key value is exact in bf16 (an e4m3 code times a power of two, or a bf16
+RoPE value), so both paths feed the dots the same operands: under the interpreter the
+outputs must be equal bit for bit; on a GPU (where the two-phase tile is pipelined over 2
+stages and may order its MMAs differently) both must meet the fp32 reference bound of
+tests/test_sparse_mla_decode.py and differ by at most one bf16 rounding. Runs under the
+interpreter on CPU (~15 s); the same tests run natively on a GPU (``device`` fixture).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from edges import INT32_MAX, INT32_MIN, ODD_PAGES
+from test_sparse_mla_decode import (D, NOPE, ROPE, assert_close, make_cache, ragged, run_both,
+                                    setup)
+from vllm.deepinfer import envs
+from vllm.deepinfer.kernels import sparse_mla_decode as smd
+
+
+def same(two, one):
+    """Bit-equal under the interpreter; on a GPU within one bf16 ulp of the larger value."""
+    if two.device.type == "cpu":
+        return torch.equal(two, one)
+    a, b = two.float(), one.float()
+    return bool(((a - b).abs() <= 2.0 ** -7 * torch.maximum(a.abs(), b.abs()) + 1e-6).all())
+
+
+def _pair(device, *args, splits, inv_rope=False, **kw):
+    """(two-phase output, one-phase output, reference) for one setup."""
+    q, mc, mi, mp, sink, ex = setup(device, *args, **kw)
+    two, ref = run_both(q, mc, mi, mp, sink, ex, variant="sm80-2p", splits=splits,
+                        inv_rope=inv_rope, device=device)
+    one, _ = run_both(q, mc, mi, mp, sink, ex, variant="sm80", splits=splits,
+                      inv_rope=inv_rope, device=device)
+    return two, one, ref
+
+
+@pytest.mark.parametrize("splits,inv_rope", [(1, False), (1, True), (3, True), (2, False)])
+def test_matches_one_phase_bit_for_bit(device, splits, inv_rope):
+    # -1 and out-of-range slots in both lists, tiles straddling the main/extra boundary,
+    # tokens of different key counts (their workspace rows are contiguous per token).
+    two, one, ref = _pair(device, 3, main_lens=[21, 5, 40], extra_lens=[30, 44, 9],
+                          invalid=0.3, splits=splits, inv_rope=inv_rope)
+    assert_close(two, ref)
+    assert same(two, one)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_swa_only_and_topk_only(device, splits):
+    two, one, ref = _pair(device, 1, main_lens=[1, 3, 20, 37], splits=splits)
+    assert_close(two, ref)
+    assert same(two, one)
+    two, one, ref = _pair(device, 2, main_lens=[0, 0, 0], extra_lens=[50, 7, 33], splits=splits)
+    assert_close(two, ref)
+    assert same(two, one)
+
+
+def test_odd_pages_extreme_slots_nan_and_empty_rows(device):
+    q, mc, mi, mp, sink, ex = setup(device, 13, main_lens=[9, 26, 0], extra_lens=[31, 4, 0],
+                                    main_bs=ODD_PAGES[0], extra_bs=ODD_PAGES[1], main_blocks=3,
+                                    extra_blocks=2, invalid=0.35, page_pad=40)
+    for lst in (mi, ex["extra_indices"]):
+        lst[2], lst[5] = INT32_MIN, INT32_MAX
+    # An e4m3 NaN byte in a valid key: scrubbed to 0 in phase 1, as the one-phase path does.
+    raw = mc.as_strided((mc.shape[0], mc.shape[1] * 584), (mc.stride(0), 1))
+    slot = next(int(s) for s in mi.tolist() if 0 <= s < mc.shape[0] * mc.shape[1])
+    b, i = divmod(slot, mc.shape[1])
+    raw[b, i * 576 + 7] = 0x7F
+    for splits in (1, 2):
+        two, ref = run_both(q, mc, mi, mp, sink, ex, variant="sm80-2p", splits=splits,
+                            device=device)
+        one, _ = run_both(q, mc, mi, mp, sink, ex, variant="sm80", splits=splits, device=device)
+        assert_close(two, ref)
+        assert same(two, one)
+        assert torch.equal(two[2].float().cpu(), torch.zeros_like(two[2].float().cpu()))
+
+
+def test_phase_one_rows_and_validity(device):
+    """The workspace itself: token t's rows start at main_indptr[t] + extra_indptr[t], hold
+    the dequantized keys (kv_record's reference decode, NaN scrubbed) and a 0/1 flag."""
+    gen = torch.Generator().manual_seed(21)
+    mc = make_cache(2, 32, device, gen)
+    ec = make_cache(2, 64, device, gen)
+    mi, mp = ragged([[3, -1, 40], [63]], device)
+    ei, ep = ragged([[5, 127, 128], []], device)
+    rows = mi.numel() + ei.numel()
+    ws = torch.full((rows, D), 7.0, dtype=torch.bfloat16, device=device)
+    valid = torch.full((rows,), 9, dtype=torch.uint8, device=device)
+    smd._predequant_kernel[(2, 2)](
+        mc, mi, mp, ec, ei, ep, ws, valid, mc.stride(0), ec.stride(0), 64, 128,
+        HAS_EXTRA=True, HW_FP8=False, ALIGNED=True, MAIN_BS=32, EXTRA_BS=64, BLOCK_N=16,
+        DECODE=0, num_warps=4, num_stages=1)
+    from vllm.deepinfer import kv_record
+    order = [(mc, 3), (mc, -1), (mc, 40), (ec, 5), (ec, 127), (ec, 128), (mc, 63)]
+    for r, (cache, slot) in enumerate(order):
+        ok = 0 <= slot < cache.shape[0] * cache.shape[1]
+        assert int(valid[r]) == int(ok), r
+        want = (kv_record.read_rows(cache, torch.tensor([slot], device=device), scrub_nan=True)
+                if ok else torch.zeros(1, D, device=device))
+        assert torch.equal(ws[r].float().cpu(), want[0].float().cpu()), r
+
+
+def test_switch_selects_the_two_phase_path(device, monkeypatch):
+    """DEEPINFER_DECODE_PREDEQUANT=1 routes the software-e4m3 variants through phase 1 (the
+    workspace kernel runs), is off by default, and leaves the hardware-e4m3 variants alone."""
+    assert "decode_predequant" in envs.FEATURES
+    assert not envs.FEATURES["decode_predequant"].default_on
+    q, mc, mi, mp, sink, ex = setup(device, 8, main_lens=[25, 40], extra_lens=[20, 10])
+    scale = 1.0 / math.sqrt(D)
+    calls = []
+    real = smd._predequant_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(smd, "_predequant_kernel", Spy())
+    base = smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80")
+    assert calls == []
+    monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "1")
+    on = smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80")
+    assert len(calls) == 1 and same(on, base)
+    monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "0")
+    smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80-2p")
+    assert len(calls) == 2   # the tile row asks for it explicitly
+
+
+def test_unknown_two_phase_row_is_refused(device):
+    q, mc, mi, mp, sink, ex = setup(device, 8, main_lens=[3])
+    with pytest.raises(ValueError, match="variant"):
+        smd.sparse_attn_decode(q, mc, mi, mp, 0.1, sink, NOPE, ROPE, variant="sm90-2p")
