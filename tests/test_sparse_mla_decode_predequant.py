@@ -127,9 +127,16 @@ def test_switch_selects_the_two_phase_path(device, monkeypatch):
     monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "1")
     on = smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80")
     assert len(calls) == 1 and same(on, base)
+    monkeypatch.setenv("DEEPINFER_DISABLE", "decode_predequant")
+    smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80")
+    assert len(calls) == 1   # DEEPINFER_DISABLE wins over the switch
+    monkeypatch.delenv("DEEPINFER_DISABLE")
     monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "0")
     smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80-2p")
     assert len(calls) == 2   # the tile row asks for it explicitly
+    monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "maybe")
+    with pytest.raises(envs.EnvError, match="DEEPINFER_DECODE_PREDEQUANT"):
+        smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80")
 
 
 def test_unknown_two_phase_row_is_refused(device):

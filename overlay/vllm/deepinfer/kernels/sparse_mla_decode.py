@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 import triton
@@ -471,6 +472,20 @@ def _ragged(indices, indptr, tokens: int, indices_name: str, indptr_name: str, d
     return (indices.to(torch.int32).contiguous(), indptr.to(torch.int32).contiguous())
 
 
+_PREDEQUANT_VAR = envs.feature_variable(PREDEQUANT_FEATURE)
+
+
+def _predequant_switched_on(variant: str) -> bool:
+    """DEEPINFER_DECODE_PREDEQUANT on the software-e4m3 variants. The feature is off by
+    default everywhere and DEEPINFER_DISABLE can only turn features off, so without its
+    own variable the answer is False at the cost of one environment lookup (launchers run
+    on every layer; envs.enabled costs ~6 us on the CI machine). With it, envs.enabled
+    decides (and rejects a malformed value)."""
+    if _PREDEQUANT_VAR not in os.environ:
+        return False
+    return envs.enabled(PREDEQUANT_FEATURE, variant)
+
+
 def choose_num_splits(tokens: int, head_tiles: int, avg_keys: float, tile: Tile,
                       sm_count: int) -> int:
     """Split-K factor (measured on H200, docs/sparse-mla-decode.md): split only while the
@@ -520,7 +535,7 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     name = arch.table_key(variant, TILES)
     v = arch.VARIANTS[name.split("-")[0]]  # "sm80-2p": the sm80 variant's fp8 and tiles
     tile = TILES[name]
-    predequant = tile.predequant or (not v.hw_fp8 and envs.enabled(PREDEQUANT_FEATURE, v.name))
+    predequant = tile.predequant or (not v.hw_fp8 and _predequant_switched_on(v.name))
     check_tensor(q, "q", dtypes=_BF16, ndim=3)
     dev = q.device
     check(q.shape[2] == HEAD_DIM and q.stride(2) == 1, "q",
