@@ -443,6 +443,38 @@ def test_ampere_forward_prefill(forward, model, layer, ratio):
     assert v["max_abs_err"] <= FORWARD_TOL * max(1.0, v["ref_max"]), v
 
 
+# --------------------------------------------------------------------------- yoco
+@pytest.fixture(scope="module")
+def yoco_probe():
+    return _probe("yoco")
+
+
+def test_yoco_reuse_outputs_identical(yoco_probe):
+    """Six V4.1 Ampere layers (ratios 0,2,2,1,1,1; KV sources 1,3; index sources 1,3,4), one
+    mixed forward: every layer's output has the same bytes with reuse on and off."""
+    on, off = _value(yoco_probe, "yoco/on"), _value(yoco_probe, "yoco/off")
+    assert on["enabled"] is True and off["enabled"] is False
+    assert on["finite"] and off["finite"]
+    assert _value(yoco_probe, "yoco/outputs_equal") == [True] * 6
+
+
+def test_yoco_reuse_builds_once_per_group(yoco_probe):
+    """Decode global indices: one build per (index source, KV source, ratio) = {(1,1,2),
+    (3,3,1), (4,3,1)}, not one per compressed layer (5); compressed gathers: one per KV source
+    (2, not 5); combined lists: SWA-only + three index groups (4, not 6). Each layer still
+    gathers its own SWA rows (6)."""
+    on, off = _value(yoco_probe, "yoco/on"), _value(yoco_probe, "yoco/off")
+    assert off["calls"] == {"compute_global_topk_indices_and_lens": 5,
+                            "dequantize_and_gather_k_cache": 5 + 6,
+                            "combine_topk_swa_indices": 6}
+    assert on["calls"] == {"compute_global_topk_indices_and_lens": 3,
+                           "dequantize_and_gather_k_cache": 2 + 6,
+                           "combine_topk_swa_indices": 4}
+    assert on["builds"] == {"decode_indices": 3, "gather": 2, "combine": 4}
+    assert on["hits"] == {"decode_indices": 2, "gather": 3, "combine": 2}
+    assert off["builds"] is None  # off: no cache is even created
+
+
 # --------------------------------------------------------------------------- fp8 writers
 @pytest.fixture(scope="module")
 def writers():
