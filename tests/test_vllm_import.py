@@ -475,6 +475,26 @@ def test_yoco_reuse_builds_once_per_group(yoco_probe):
     assert off["builds"] is None  # off: no cache is even created
 
 
+def test_yoco_patched_flashmla_decode(yoco_probe):
+    """Patch 0040: upstream's FlashMLA decode over five compressed layers hands FlashMLA the
+    same global indices and lens with reuse on and off, built 3 times instead of 5; the
+    layers of one (index source, KV source, ratio) group get the very same tensor; an
+    invalid token still gets length 0."""
+    v = _value(yoco_probe, "yoco/flashmla_decode")
+    assert v["builds_on"] == 3 and v["builds_off"] == 5 and v["same_values"] is True
+    # layers 1,2 | 3 | 4,5: shared within a group, not across groups
+    assert v["shared_tensor"] == [True, False, False, True]
+    assert v["masked_token_len"] == 0
+
+
+def test_yoco_patched_indexer_k_gather(yoco_probe):
+    """Patch 0041: three index sources sharing one index-K cache, a prefill split into two
+    query slices: the K gather runs once (three times off) and every logits call reads the
+    cache's rows."""
+    v = _value(yoco_probe, "yoco/indexer_k")
+    assert v == {"gathers_on": 1, "gathers_off": 3, "logits_calls": [6, 6], "rows_equal": True}
+
+
 # --------------------------------------------------------------------------- fp8 writers
 @pytest.fixture(scope="module")
 def writers():

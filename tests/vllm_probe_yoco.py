@@ -173,6 +173,162 @@ def _count_builders(set_saving, calls: collections.Counter) -> None:
         set_saving(ops, name, counting(name, getattr(ops, name)))
 
 
+# --------------------------------------------------------------------------- patch 0040
+def flashmla_decode() -> dict:
+    """Upstream's FlashMLA decode (patch 0040) over five compressed layers of the miniature
+    layout, FlashMLA itself replaced by a recorder of what it is handed: reuse on and off
+    hand it the same global indices and lens; on builds them 3 times instead of 5 and hands
+    the layers of one group the very same tensor."""
+    import torch
+    from vllm.deepinfer import routing
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.models.deepseek_v41.nvidia import flashmla as fm
+    g = torch.Generator().manual_seed(9)
+    i32 = dict(dtype=torch.int32)
+    n, r_max = 3, 300
+    topk = torch.full((8, TOPK_W), -1, **i32)
+    local = {src: torch.randint(0, r_max // RATIOS[src], (n, TOPK_W), generator=g).to(torch.int32)
+             for src in INDEX_SOURCES}
+    comp = {src: SimpleNamespace(block_table=torch.randperm(24, generator=g)[:3 * 8].view(3, 8)
+                                 .to(torch.int32), block_size=COMP_BS * RATIOS[src])
+            for src in KV_SOURCES}
+    swa_md = SimpleNamespace(
+        num_decodes=n, num_decode_tokens=n, is_valid_token=torch.tensor([True, False, True]),
+        token_to_req_indices=torch.arange(n, **i32), decode_swa_indices=torch.zeros(n, 1, 8, **i32),
+        decode_swa_lens=torch.ones(n, **i32), tile_sched_swaonly=object(),
+        tile_sched_c1a=object(), tile_sched_c2a=object())
+
+    def layer(i):
+        kv = max(s for s in KV_SOURCES if s <= i)
+        return SimpleNamespace(
+            compress_ratio=RATIOS[i], topk_indices_buffer=topk, use_pcp=False,
+            index_source_layer_id=max(s for s in INDEX_SOURCES if s <= i),
+            kv_source_layer_id=kv, compressed_cache_prefix=f"model.layers.{kv}.attn",
+            swa_cache_layer=SimpleNamespace(kv_cache=torch.zeros(2, SWA_BS, 584, dtype=torch.uint8)),
+            scale=0.1, attn_sink=torch.zeros(8))
+
+    def forward():
+        seen, builds = [], []
+        real_build, real_fmla = fm.compute_global_topk_indices_and_lens, fm.flash_mla_with_kvcache
+
+        def build(*a, **k):
+            builds.append(1)
+            return real_build(*a, **k)
+
+        def fmla(**kw):
+            seen.append((kw["extra_indices_in_kvcache"], kw["extra_topk_length"]))
+            return None, None
+        fm.compute_global_topk_indices_and_lens, fm.flash_mla_with_kvcache = build, fmla
+        ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        try:
+            with override_forward_context(ctx):
+                for i in range(1, len(RATIOS)):
+                    if i in INDEX_SOURCES:
+                        topk[:n] = local[i]
+                    lay = layer(i)
+                    fm.DeepseekV4FlashMLAAttention._forward_decode(
+                        lay, torch.zeros(n, 8, 512), torch.zeros(4, COMP_BS, 584, dtype=torch.uint8),
+                        swa_md, comp[lay.kv_source_layer_id], False, torch.zeros(n, 8, 512))
+        finally:
+            fm.compute_global_topk_indices_and_lens, fm.flash_mla_with_kvcache = real_build, real_fmla
+        return seen, len(builds)
+
+    routing.reset()
+    on, builds_on = forward()
+    os.environ["DEEPINFER_YOCO_REUSE"] = "0"
+    routing.reset()
+    try:
+        off, builds_off = forward()
+    finally:
+        os.environ.pop("DEEPINFER_YOCO_REUSE")
+        routing.reset()
+    return {"builds_on": builds_on, "builds_off": builds_off,
+            "same_values": all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                               for a, b in zip(on, off)) and len(on) == len(off) == 5,
+            "shared_tensor": [on[i][0].data_ptr() == on[i - 1][0].data_ptr()
+                              for i in range(1, len(on))],
+            "masked_token_len": int(on[0][1][1])}
+
+
+# --------------------------------------------------------------------------- patch 0041
+def indexer_k() -> dict:
+    """Upstream's ``sparse_attn_indexer`` (patch 0041) for three index sources sharing one
+    index-K cache, a prefill of one request split into two query slices (the second
+    skips the gather): the K gather (stand-in for the C++ op) runs once on, three times off,
+    and the logits (a recorder in DeepGEMM's place) see the same K rows every time."""
+    import torch
+    from vllm.deepinfer import routing
+    from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.model_executor.layers import sparse_attn_indexer as sai
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepseekV32IndexerMetadata, DeepseekV32IndexerPrefillChunkMetadata,
+        DeepseekV32IndexerPrefillMetadata)
+    g = torch.Generator().manual_seed(4)
+    i32 = dict(dtype=torch.int32)
+    ctx_len, q_len, heads = 40, 6, 4
+    cache = torch.randint(0, 255, (4, 16, 132), dtype=torch.uint8, generator=g)
+
+    def chunk(t0, t1, skip):
+        return DeepseekV32IndexerPrefillChunkMetadata(
+            block_table=torch.tensor([[2, 0, 3]], **i32), cu_seqlen_ks=torch.zeros(t1 - t0, **i32),
+            cu_seqlen_ke=torch.full((t1 - t0,), ctx_len, **i32),
+            cu_seq_lens=torch.tensor([0, ctx_len], **i32), token_to_seq=torch.zeros(t1 - t0, **i32),
+            total_seq_lens=ctx_len, max_seqlen_k=ctx_len, token_start=t0, token_end=t1, num_reqs=1,
+            skip_kv_gather=skip, local_cu_seq_lens=torch.tensor([0, ctx_len], **i32),
+            local_total_seq_lens=ctx_len, max_local_total_seq_lens=ctx_len)
+    md = DeepseekV32IndexerMetadata(
+        seq_lens=torch.tensor([ctx_len], **i32), max_seq_len=ctx_len,
+        slot_mapping=torch.zeros(q_len, dtype=torch.int64), num_decodes=0, num_decode_tokens=0,
+        num_prefills=1, num_prefill_tokens=q_len,
+        prefill=DeepseekV32IndexerPrefillMetadata(chunks=[chunk(0, 3, False), chunk(3, q_len, True)]))
+    prefix = "model.layers.3.attn.indexer.k_cache"
+
+    def forward():
+        gathers, ks = [], []
+
+        def gather(kv_cache, k_quant, k_scale, block_table, cu_seq_lens):
+            gathers.append(1)
+            rows = kv_cache[block_table[0].long()].reshape(-1, 132)[: k_quant.shape[0]]
+            k_quant.view(torch.uint8).copy_(rows[:, :128])
+            k_scale.copy_(rows[:, 128:])
+
+        def logits(q, kv, weights, cu_ks, cu_ke, max_seqlen_k):
+            ks.append((kv[0].view(torch.uint8).clone(), kv[1].view(torch.uint8).view(-1, 4).clone()))
+            return torch.zeros(q[0].shape[0], max_seqlen_k, dtype=torch.float32)
+        saved = [(sai.ops, "cp_gather_indexer_k_quant_cache"), (sai, "fp8_fp4_mqa_logits"),
+                 (sai.ops, "top_k_per_row_prefill")]
+        old = [getattr(o, a) for o, a in saved]
+        sai.ops.cp_gather_indexer_k_quant_cache, sai.fp8_fp4_mqa_logits = gather, logits
+        sai.ops.top_k_per_row_prefill = lambda *a, **k: None
+        ctx = ForwardContext(no_compile_layers={}, attn_metadata={prefix: md}, slot_mapping={})
+        try:
+            with override_forward_context(ctx):
+                for _ in INDEX_SOURCES:  # three index sources, one index-K cache
+                    sai.sparse_attn_indexer(
+                        torch.zeros(q_len, 8), prefix, cache,
+                        torch.zeros(q_len, heads, 128).to(torch.float8_e4m3fn), None, None,
+                        torch.ones(q_len, heads), 128, "ue8m0", 16, 128, 4096, 4096,
+                        torch.full((q_len, 16), -1, **i32), True, False, False, "")
+        finally:
+            for (o, a), v in zip(saved, old):
+                setattr(o, a, v)
+        return len(gathers), ks
+
+    routing.reset()
+    n_on, ks_on = forward()
+    os.environ["DEEPINFER_YOCO_REUSE"] = "0"
+    routing.reset()
+    try:
+        n_off, ks_off = forward()
+    finally:
+        os.environ.pop("DEEPINFER_YOCO_REUSE")
+        routing.reset()
+    want = cache[torch.tensor([2, 0, 3])].reshape(-1, 132)[:ctx_len]
+    return {"gathers_on": n_on, "gathers_off": n_off, "logits_calls": [len(ks_on), len(ks_off)],
+            "rows_equal": all(torch.equal(v, want[:, :128]) and torch.equal(s, want[:, 128:])
+                              for v, s in ks_on + ks_off)}
+
+
 def run(record) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["DEEPINFER_ARCH"] = "sm80"
@@ -207,3 +363,5 @@ def run(record) -> None:
         return [bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
                 for a, b in zip(on, off)]
     record("yoco/outputs_equal", equal)
+    record("yoco/flashmla_decode", flashmla_decode)
+    record("yoco/indexer_k", indexer_k)
