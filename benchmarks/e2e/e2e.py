@@ -11,6 +11,10 @@
 3. graphs  the same for a100 and upstream with vLLM's default torch.compile + CUDA graphs.
 4. tput    decode tokens/s (batch 1, 8, 32, 64) and prefill tokens/s (1K, 8K, 32K) on the
            throughput config, one process per mode.
+5. nocompile  each model in the a100 mode, eager but with vLLM's JIT warmup on
+           (run.py --jit-warmup --audit): after the warmup, the served requests (chunked
+           prefill, decode, mixed batches, every compress ratio) must compile no Triton or
+           TileLang kernel; rows kernel="zero_compile" with what compiled and the warmup time.
 Writes benchmarks/results/<gpu>-<date>-e2e.json (rows: e2e, e2e_agreement, sm80_audit) and a
 chart. Engines of the agreement steps run side by side on the GPU (--parallel), the
 throughput ones alone.
@@ -87,7 +91,7 @@ def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=())
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/deepinfer-e2e")
-    ap.add_argument("--steps", default="ckpt,agree,graphs,tput")
+    ap.add_argument("--steps", default="ckpt,agree,graphs,tput,nocompile")
     ap.add_argument("--parallel", type=int, default=3, help="agreement engines at once")
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer shapes")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
@@ -101,6 +105,14 @@ def main() -> int:
 
     if "ckpt" in steps:
         make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()))
+    if "nocompile" in steps:
+        for name in AGREE_MODELS:
+            cfg, fmt = MODELS[name]
+            out = work / f"{name}-a100-nocompile.json"
+            sh([sys.executable, str(HERE / "run.py"), "--model", str(work / f"{name}-{fmt}"),
+                "--mode", "a100", "--task", "agree", "--jit-warmup", "--audit", "--out",
+                str(out), *agree_extra], work / f"{name}-a100-nocompile.log",
+               timeout=RUN_TIMEOUT_S)
     jobs = []
     if "agree" in steps:
         jobs += [(n, m, True) for n in AGREE_MODELS for m in MODES]
@@ -181,6 +193,16 @@ def write_results(args, work: Path, outs, tput_outs) -> None:
                 rows.append(dict(kernel="e2e_agreement", variant=f"{m}_eager_vs_graphs",
                                  shape=dict(model=name), top1_agree=p["top1_agree"],
                                  max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
+    for f in sorted(work.glob("*-a100-nocompile.json")):
+        r = json.load(open(f))
+        a = r["audit"]
+        rows.append(dict(kernel="zero_compile", variant="a100",
+                         shape=dict(model=f.stem.split("-a100-")[0], jit_warmup=True),
+                         passed=a["zero_compile"], serve_compiles=a["serve_compiles"],
+                         tilelang_by_phase=a.get("tilelang_by_phase"),
+                         compiles_by_phase=a["compiles_by_phase"],
+                         warmup_seconds=a.get("warmup_seconds"), load_seconds=r["load_seconds"],
+                         failed=a["failed"]))
     for mode, p in tput_outs:
         if not p:
             failed_runs.append(f"{TPUT_MODEL}/{mode}/tput")
@@ -205,6 +227,12 @@ def write_results(args, work: Path, outs, tput_outs) -> None:
         if row["kernel"] == "e2e_agreement":
             print(f"  {row['shape']}  {row['variant']:24s} top1 {row['top1_agree']:.4f}  "
                   f"max|dlp| {row['max_abs_dlogprob']:.4f}")
+        elif row["kernel"] == "zero_compile":
+            w = row.get("warmup_seconds") or {}
+            print(f"  zero compile {row['shape']['model']}: "
+                  f"{'PASS' if row['passed'] else 'FAIL'}, {len(row['serve_compiles'])} "
+                  f"compile(s) while serving; JIT warmup {w.get('vllm_jit_warmup', 0):.1f}s "
+                  f"of which ours {w.get('deepinfer_keys', 0):.1f}s")
         elif row["kernel"] == "e2e":
             print(f"  {row['variant']:9s} {row['shape']['phase']:8s} b{row['shape']['batch']:<3d} "
                   f"L{row['shape']['prompt_len']:<6d} {row['tokens_per_s']:10.1f} tok/s")

@@ -119,6 +119,10 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile, "
                     "no CUDA graphs); the sm_80 audit runs only in this form")
     ap.add_argument("--audit", action="store_true", help="record and check what ran (a100)")
+    ap.add_argument("--jit-warmup", action="store_true",
+                    help="eager execution with vLLM's JIT warmup kept on (compilation mode "
+                    "NONE, no CUDA graphs; --eager would switch the warmup off): the form the "
+                    "zero-compile check runs in")
     ap.add_argument("--gen", type=int, default=32, help="generated tokens per prompt (agree)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=16384 + 256)
@@ -152,8 +156,13 @@ def main() -> int:
     # ships a word-level one when the model has Engram layers); otherwise skip it.
     has_tok = any(os.path.exists(os.path.join(args.model, f))
                   for f in ("tokenizer.json", "tokenizer_config.json"))
+    eager_kw: dict = dict(enforce_eager=args.eager)
+    if args.jit_warmup:
+        if args.eager:
+            ap.error("--jit-warmup and --eager exclude each other (--eager turns the warmup off)")
+        eager_kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "NONE"}
     llm = LLM(model=args.model, skip_tokenizer_init=not has_tok, language_model_only=True,
-              enforce_eager=args.eager, max_model_len=args.max_model_len,
+              **eager_kw, max_model_len=args.max_model_len,
               max_num_batched_tokens=CHUNK, enable_chunked_prefill=True,
               gpu_memory_utilization=args.gpu_mem, max_num_seqs=max(64, *args.batches),
               seed=args.seed, enable_prefix_caching=False,
@@ -161,7 +170,8 @@ def main() -> int:
     load_s = time.perf_counter() - t0
     from vllm.platforms import current_platform
     from vllm.deepinfer import arch
-    result = dict(mode=args.mode, task=args.task, eager=args.eager, model=args.model,
+    result = dict(mode=args.mode, task=args.task, eager=args.eager or args.jit_warmup,
+                  jit_warmup=args.jit_warmup, model=args.model,
                   model_config=cfg, load_seconds=load_s,
                   env={k: os.environ.get(k) for k in sorted(os.environ)
                        if k.startswith(("DEEPINFER_", "VLLM_"))},
@@ -188,6 +198,8 @@ def main() -> int:
         result["audit"] = check(rec)
         result["selections"] = selections(llm)
         print("audit failed:", result["audit"]["failed"] or "none", flush=True)
+        print("compiled while serving:", len(result["audit"]["serve_compiles"]),
+              "| warmup seconds:", result["audit"]["warmup_seconds"], flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f)
     print(f"{args.mode} {args.task}: load {load_s:.1f}s -> {args.out}", flush=True)
