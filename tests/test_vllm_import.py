@@ -459,19 +459,22 @@ def test_yoco_reuse_outputs_identical(yoco_probe):
 
 
 def test_yoco_reuse_builds_once_per_group(yoco_probe):
-    """Decode global indices: one build per (index source, KV source, ratio) = {(1,1,2),
-    (3,3,1), (4,3,1)}, not one per compressed layer (5); compressed gathers: one per KV source
-    (2, not 5); combined lists: SWA-only + three index groups (4, not 6). Each layer still
-    gathers its own SWA rows (6)."""
+    """Decode global indices (and their ragged form): one build per (index source, KV source,
+    ratio) = {(1,1,2), (3,3,1), (4,3,1)}, not one per compressed layer (5); the SWA window's
+    ragged lists: one, not one per layer (6); compressed gathers: one per KV source (2, not
+    5); combined lists: SWA-only + three index groups (4, not 6). Each layer still gathers its
+    own SWA rows (6)."""
     on, off = _value(yoco_probe, "yoco/on"), _value(yoco_probe, "yoco/off")
     assert off["calls"] == {"compute_global_topk_indices_and_lens": 5,
+                            "build_ragged_indices_from_dense": 6 + 5,
                             "dequantize_and_gather_k_cache": 5 + 6,
                             "combine_topk_swa_indices": 6}
     assert on["calls"] == {"compute_global_topk_indices_and_lens": 3,
+                           "build_ragged_indices_from_dense": 1 + 3,
                            "dequantize_and_gather_k_cache": 2 + 6,
                            "combine_topk_swa_indices": 4}
-    assert on["builds"] == {"decode_indices": 3, "gather": 2, "combine": 4}
-    assert on["hits"] == {"decode_indices": 2, "gather": 3, "combine": 2}
+    assert on["builds"] == {"decode_indices": 3, "swa_ragged": 1, "gather": 2, "combine": 4}
+    assert on["hits"] == {"decode_indices": 2, "swa_ragged": 5, "gather": 3, "combine": 2}
     assert off["builds"] is None  # off: no cache is even created
 
 

@@ -9,7 +9,7 @@ with the same caches and inputs: reuse on (default) and DEEPINFER_YOCO_REUSE=0. 
 sources' top-k is written into the shared ``topk_indices_buffer`` just before their layer, as
 their indexer does. Recorded: every layer's output bytes of both runs, the calls of the three
 metadata builders (upstream's ``compute_global_topk_indices_and_lens``, the compressed gather,
-the combiner) per run, and the StepCache's builds and hits.
+the combiner) per run, and the StepCache's builds and hits; and the decode's dense -> ragged index conversions.
 
 Imported only inside the probe process (it imports vLLM).
 """
@@ -161,6 +161,7 @@ class Model:
 def _count_builders(set_saving, calls: collections.Counter) -> None:
     """Count the metadata builders' calls (each one kernel launch) where the Ampere class
     looks them up (it imports them from the module at every call)."""
+    from vllm.deepinfer.attention import common
     from vllm.models.deepseek_v41.common import ops
 
     def counting(name, fn):
@@ -171,6 +172,9 @@ def _count_builders(set_saving, calls: collections.Counter) -> None:
     for name in ("compute_global_topk_indices_and_lens", "dequantize_and_gather_k_cache",
                  "combine_topk_swa_indices"):
         set_saving(ops, name, counting(name, getattr(ops, name)))
+    # The decode's dense -> ragged conversions (count + cumsum + compact each).
+    name = "build_ragged_indices_from_dense"
+    set_saving(common, name, counting(name, getattr(common, name)))
 
 
 # --------------------------------------------------------------------------- patch 0040

@@ -11,7 +11,9 @@ and hands the same tensors to the rest of the group:
 product                key (what determines it)                       built by
 =====================  =============================================  =====================
 decode global indices  (index source, KV source, ratio)               the first layer of the
-  + lens               + the step's SWA / compressed metadata         group that decodes
+  (ragged, + lens)     + the step's SWA / compressed metadata         group that decodes
+decode SWA lists       the step's SWA metadata + the cache's rows     the first layer
+  (ragged)             (every layer of the model)
 combined lists         (index source, ratio, window, top-k) + chunk   first layer per chunk
   (prefill)            + the step's SWA metadata; SWA-only layers
                        share one entry (index source ``None``)
@@ -67,7 +69,7 @@ from vllm.deepinfer import routing
 logger = logging.getLogger("vllm.deepinfer")
 
 __all__ = ["FEATURE", "StepCache", "GatherBuffer", "enabled", "step_cache", "reuse",
-           "decode_indices_key", "combine_key", "gather_key", "indexer_k_key", "totals",
+           "decode_indices_key", "swa_ragged_key", "combine_key", "gather_key", "indexer_k_key", "totals",
            "reset_totals", "parallel_reason", "gather_buffer", "reserve_gather_buffer",
            "GATHER_BUFFER_MAX_BYTES", "INDEXER_K_MAX_ROWS", "NO_REUSE",
            "indexer_k_rows", "reserve_indexer_k", "prefill_kv", "chunk_order"]
@@ -78,6 +80,7 @@ _ATTR = "_deepinfer_yoco"
 
 # Product kinds (the first element of every key; counters are kept per kind).
 DECODE_INDICES = "decode_indices"
+SWA_RAGGED = "swa_ragged"
 COMBINE = "combine"
 GATHER = "gather"
 INDEXER_K = "indexer_k"
@@ -205,6 +208,12 @@ def decode_indices_key(index_source: Any, kv_source: Any, ratio: int, swa_metada
         return None
     return (DECODE_INDICES, _tag(index_source), kv_source, int(ratio), id(swa_metadata),
             id(comp_metadata), int(num_tokens))
+
+
+def swa_ragged_key(swa_metadata: Any, num_rows: int) -> tuple:
+    """The decode's ragged SWA-window lists: the step's SWA metadata (one per SWA cache
+    group) and the cache's row count (slots past it are dropped), shared by every layer."""
+    return (SWA_RAGGED, None, id(swa_metadata), int(num_rows))
 
 
 def combine_key(index_source: Any, ratio: int, window: int, topk: int, swa_metadata: Any,

@@ -131,9 +131,10 @@ class DeepinferAmpereV4Attention(AmpereAttentionMixin, DeepseekV4Attention):
             compress_ratio=self.compress_ratio, prefill_chunk_size=self.PREFILL_CHUNK_SIZE)
 
     # ---- cross-layer reuse (vllm.deepinfer.yoco) --------------------------------------
-    # V4 shares no KV cache and each C4A layer indexes itself: only the combined lists of
-    # the SWA-only layers and of the C128A layers reading one metadata object (top-k from
-    # the metadata builder) are the same across layers.
+    # V4 shares no KV cache and each C4A layer indexes itself: only what the SWA-only layers
+    # and the C128A layers reading one metadata object (top-k from the metadata builder)
+    # derive is the same across layers (their combined lists, the C128A decode's ragged
+    # lists), besides the SWA window's ragged lists, which every layer shares.
     def _yoco_index_source(self, comp_metadata, swa_only: bool):
         if swa_only:
             return None
@@ -143,9 +144,6 @@ class DeepinferAmpereV4Attention(AmpereAttentionMixin, DeepseekV4Attention):
 
     def _yoco_kv_source(self):
         return None
-
-    def _yoco_decode_key(self, swa_metadata, comp_metadata):
-        return None  # C4A: own top-k; C128A: the metadata's tensors, nothing to build
 
     def _combine_extra_args(self, swa_metadata, nd_tok: int, qs: int, qe: int):
         left, right = swa_metadata.prefill_left_visible, swa_metadata.prefill_right_visible

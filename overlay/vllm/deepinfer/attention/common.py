@@ -34,6 +34,7 @@ from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
     _get_cached_wo_a_bf16,
+    build_ragged_indices_from_dense,
     rocm_inv_rope_einsum,
     rocm_inverse_rope_rows_,
     rocm_sparse_attn_decode,
@@ -295,17 +296,34 @@ class AmpereAttentionMixin:
     def _ampere_decode(self, q, positions, comp_cache, swa_metadata, comp_metadata,
                        swa_only: bool, output) -> int:
         """Returns how many leading rows came back inverse-RoPE'd."""
-        # The global top-k of a KV-sharing group is built once per forward (yoco).
-        topk_indices, topk_lens = (None, None) if swa_only else yoco.reuse(
-            get_forward_context(), self._yoco_decode_key(swa_metadata, comp_metadata),
-            lambda: self._decode_topk(swa_metadata, comp_metadata))
+        # The ragged index lists the decode reads, built once per forward (yoco): the SWA
+        # window's for every layer reading this SWA metadata, the global top-k's for a
+        # KV-sharing group (upstream's dense -> ragged conversion, which the decode would
+        # otherwise run in every layer).
+        fc = get_forward_context()
+        swa_cache = self.swa_cache_layer.kv_cache
+        swa_rows = swa_cache.shape[0] * swa_cache.shape[1]
+        swa_ragged = yoco.reuse(fc, yoco.swa_ragged_key(swa_metadata, swa_rows), lambda: (
+            build_ragged_indices_from_dense(swa_metadata.decode_swa_indices,
+                                            swa_metadata.decode_swa_lens, num_rows=swa_rows)))
+        topk_ragged = (None, None)
+        if not swa_only:
+            extra_rows = comp_cache.shape[0] * comp_cache.shape[1]
+
+            def build_topk():
+                indices, lens = self._decode_topk(swa_metadata, comp_metadata)
+                return build_ragged_indices_from_dense(indices, lens, num_rows=extra_rows)
+            key = self._yoco_decode_key(swa_metadata, comp_metadata)
+            topk_ragged = yoco.reuse(fc, None if key is None else key + (extra_rows,),
+                                     build_topk)
         fuse = self._decode_fuses_inv_rope()
         return rocm_sparse_attn_decode(
-            q=q, kv_cache=comp_cache, swa_k_cache=self.swa_cache_layer.kv_cache,
-            swa_only=swa_only, topk_indices=topk_indices, topk_lens=topk_lens,
+            q=q, kv_cache=comp_cache, swa_k_cache=swa_cache,
+            swa_only=swa_only, topk_indices=None, topk_lens=None,
             swa_indices=swa_metadata.decode_swa_indices, swa_lens=swa_metadata.decode_swa_lens,
-            swa_ragged_indices=None, swa_ragged_indptr=None, topk_ragged_indices=None,
-            topk_ragged_indptr=None, attn_sink=self.attn_sink, scale=self.scale,
+            swa_ragged_indices=swa_ragged[0], swa_ragged_indptr=swa_ragged[1],
+            topk_ragged_indices=topk_ragged[0], topk_ragged_indptr=topk_ragged[1],
+            attn_sink=self.attn_sink, scale=self.scale,
             head_dim=self.head_dim, nope_head_dim=self.nope_head_dim,
             rope_head_dim=self.rope_head_dim, output=output,
             inv_rope_positions=positions if fuse else None,
