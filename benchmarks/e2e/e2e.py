@@ -11,7 +11,10 @@
 3. graphs  the same for a100 and upstream with vLLM's default torch.compile + CUDA graphs.
 4. tput    decode tokens/s (batch 1, 8, 32, 64) and prefill tokens/s (1K, 8K, 32K) on the
            throughput config, one process per mode.
-5. nocompile  each model in the a100 mode, eager but with vLLM's JIT warmup on
+5. yoco     each model, eager, with cross-layer reuse off (a100_noyoco, sm90_noyoco) and a
+           second a100 run (a100_rerun): greedy tokens and logprobs must equal the reuse-on
+           runs (rows kernel="yoco_e2e"; the rerun pair is the run-to-run floor).
+6. nocompile  each model in the a100 mode, eager but with vLLM's JIT warmup on
            (run.py --jit-warmup --audit): after the warmup, the served requests (chunked
            prefill, decode, mixed batches, every compress ratio) must compile no Triton or
            TileLang kernel; rows kernel="zero_compile" with what compiled and the warmup time.
@@ -118,6 +121,10 @@ def main() -> int:
         jobs += [(n, m, True) for n in AGREE_MODELS for m in MODES]
     if "graphs" in steps:
         jobs += [(n, m, False) for n in AGREE_MODELS for m in ("a100", "upstream")]
+    if "yoco" in steps:
+        jobs += [(n, m, True) for n in AGREE_MODELS
+                 for m in ("a100", "sm90", "a100_noyoco", "sm90_noyoco", "a100_rerun")
+                 if not (work / f"{n}-{m}-agree-eager.json").exists()]
     def job(ij):
         i, j = ij
         # Staggered starts: an engine profiling its memory while another one frees
@@ -187,6 +194,16 @@ def write_results(args, work: Path, outs, tput_outs) -> None:
                                      top1_agree=p["top1_agree"],
                                      max_abs_dlogprob=p["max_abs_dlogprob"], detail=p,
                                      spread=compare.spread(got[a]), tolerance=TOL))
+        for on, off in (("a100", "a100_noyoco"), ("sm90", "sm90_noyoco"), ("a100", "a100_rerun")):
+            a, b = runs.get((name, on, True)), runs.get((name, off, True))
+            if a and b:
+                p = compare.pair(a, b)
+                same = p["max_abs_dlogprob"] == 0.0 and p["top1_agree"] == 1.0 and all(
+                    d is None for d in p["first_divergence"]) and p["generated_max_abs_dlogprob"] == 0.0
+                rows.append(dict(kernel="yoco_e2e", variant=f"{on}_vs_{off}",
+                                 shape=dict(model=name, eager=True), identical=same,
+                                 top1_agree=p["top1_agree"],
+                                 max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
         for m in MODES:  # the noise floor: one mode, eager against CUDA graphs
             if runs.get((name, m, True)) and runs.get((name, m, False)):
                 p = compare.pair(runs[(name, m, True)], runs[(name, m, False)])
@@ -227,6 +244,9 @@ def write_results(args, work: Path, outs, tput_outs) -> None:
         if row["kernel"] == "e2e_agreement":
             print(f"  {row['shape']}  {row['variant']:24s} top1 {row['top1_agree']:.4f}  "
                   f"max|dlp| {row['max_abs_dlogprob']:.4f}")
+        elif row["kernel"] == "yoco_e2e":
+            print(f"  {row['shape']}  {row['variant']:24s} identical {row['identical']}  "
+                  f"max|dlp| {row['max_abs_dlogprob']:.4g}")
         elif row["kernel"] == "zero_compile":
             w = row.get("warmup_seconds") or {}
             print(f"  zero compile {row['shape']['model']}: "

@@ -13,6 +13,8 @@ Modes (the overlay must be installed into the vLLM this python imports):
             (DEEPINFER_AMPERE_ATTN=1 DEEPINFER_ARCH=sm90).
   upstream  every DeepInfer feature off (DEEPINFER_DISABLE=all): upstream's own path
             (on Hopper: FlashMLA + DeepGEMM).
+  a100_noyoco, sm90_noyoco   the same with cross-layer reuse off (DEEPINFER_YOCO_REUSE=0)
+  a100_rerun                 a100 again (run-to-run floor)
 Tasks:
   agree     greedy generation with top-K logprobs of prompt and generated tokens
   tput      decode tokens/s at several batch sizes and prefill tokens/s at several lengths
@@ -29,6 +31,12 @@ MODES = {
     "a100": {"DEEPINFER_EMULATE_CAPABILITY": "8.0"},
     "sm90": {"DEEPINFER_AMPERE_ATTN": "1", "DEEPINFER_ARCH": "sm90"},
     "upstream": {"DEEPINFER_DISABLE": "all"},
+    # Cross-layer reuse off (docs/yoco.md): the same engine must produce the same tokens and
+    # logprobs; "a100_rerun" is the a100 mode again, the run-to-run floor of that comparison.
+    "a100_noyoco": {"DEEPINFER_EMULATE_CAPABILITY": "8.0", "DEEPINFER_YOCO_REUSE": "0"},
+    "sm90_noyoco": {"DEEPINFER_AMPERE_ATTN": "1", "DEEPINFER_ARCH": "sm90",
+                    "DEEPINFER_YOCO_REUSE": "0"},
+    "a100_rerun": {"DEEPINFER_EMULATE_CAPABILITY": "8.0"},
 }
 # Prompt lengths for agreement: a short one, one past the 128-token SWA window, one whose
 # compressed context (ratio 1: L, ratio 2: L/2 entries) exceeds top-k 512 so the indexer
