@@ -39,11 +39,13 @@ I32 = dict(dtype=torch.int32)
 
 
 def _models(variant, tps=(1,)):
-    """ModelShapes of V4.1 and V4 (64 heads, split by TP) at 8K and 1M context."""
+    """ModelShapes of V4.1 and V4 (64 heads, split by TP); V4 at 8K and 1M context (its C128A
+    top-k width follows the context; nothing of V4.1's does)."""
     return [wu.ModelShapes(window=128, compress_ratios=ratios, topk=512, heads=64 // tp,
                            model=model, max_model_len=ctx)
-            for model, ratios in (("v41", (0, 1, 2)), ("v4", (1, 4, 128)))
-            for ctx in (8192, 1 << 20) for tp in tps]
+            for model, ratios, ctxs in (("v41", (0, 1, 2), (8192,)),
+                                        ("v4", (1, 4, 128), (8192, 1 << 20)))
+            for ctx in ctxs for tp in tps]
 
 
 def _warm_keys(shapes, variant):
@@ -84,7 +86,7 @@ def _decode_calls(shapes, variant):
     # Odd block counts: the row counts the kernel bounds-checks against are not multiples of 16.
     swa = new_cache(101, swa_bs)
     cs = torch.zeros(4096, 64)  # fp32 cos | sin (upstream's V4 rotary cache)
-    for ratio, tokens in itertools.product(shapes.compress_ratios, (1, 3, 16, 64, 200)):
+    for ratio, tokens in itertools.product(shapes.compress_ratios, (1, 3, 64)):
         q = _zeros((tokens, heads, 512), torch.bfloat16)
         mi = _zeros((tokens * shapes.window,))
         mp = torch.arange(tokens + 1, **I32) * shapes.window
@@ -123,7 +125,7 @@ def _chunks(num_reqs):
 
 
 def _prefill_calls(shapes, variant):
-    for num_reqs in (1, 2, 5, 17, 130):
+    for num_reqs in (1, 17, 130):  # the gather's request buckets: 16, 128, 1024
         seq = torch.full((num_reqs + 3,), 300, **I32)
         gl = torch.full((num_reqs + 3,), 200, **I32)
         qsl = torch.arange(num_reqs + 4, **I32) * 50
@@ -169,10 +171,9 @@ def test_prefill_gather_and_combine_launches_are_warmed(variant, gpu_like):
     for shapes in _models(variant):
         warm = _warm_keys(shapes, variant)
         with recording(CC[variant]) as seen:
-            for sms in (108, 132):
-                gpu_like(sms)
-                for call in _prefill_calls(shapes, variant):
-                    call()
+            gpu_like(108)  # the SM count sizes the grid only, which is not part of the key
+            for call in _prefill_calls(shapes, variant):
+                call()
         names = {k.fn.__name__ for k, _ in seen}
         assert names == {"_gather_kernel", "_combine_kernel"}
         assert not _uncovered(seen, warm), "\n".join(_uncovered(seen, warm))

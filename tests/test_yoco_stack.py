@@ -42,7 +42,7 @@ def test_stack_outputs_identical_and_launches_fewer(ys, decode, monkeypatch):
     interp_bf16.patch(monkeypatch.setattr)
     layout = ys.Layout(ratios=(0, 2, 2, 1, 1, 1), kv_sources=(1, 3), index_sources=(1, 3, 4))
     spec = ol.Spec(**SMALL)
-    ctx, q = ((40, 25), (1, 1)) if decode else ((30,), (6,))
+    ctx, q = ((40, 25), (1, 1)) if decode else ((24,), (3,))
     st = ys.Stack(spec, ctx, q, "cpu", "sm80", layout)
     off, out_off, _ = _launches(st, reuse=False)
     on, out_on, fc = _launches(st, reuse=True)
