@@ -35,6 +35,10 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # sparse indexer has no scorer without ours, hence on for sm89 too.
     Feature("indexer_logits", _AMPERE | {"sm89"},
             "sparse-indexer MQA logits without DeepGEMM (fp8_fp4_[paged_]mqa_logits)"),
+    # mHC: V4's first-layer pre without DeepGEMM (whose tf32_hc_prenorm_gemm exists only
+    # from 9.0) and the Ampere-tuned TileLang configs (vllm.deepinfer.mhc). On for sm89
+    # too: it has no DeepGEMM either.
+    Feature("mhc", _AMPERE | {"sm89"}, "mHC pre/post on TileLang without DeepGEMM, Ampere configs"),
 )}
 
 
