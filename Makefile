@@ -15,7 +15,7 @@ JOBS     ?= auto
 export DEEPINFER_BUILD := $(abspath $(BUILD))
 
 .PHONY: help venv upstream upstream-kernels patched combined combined-check overlay apply refresh \
-        gate verify test bench charts clean
+        gate gate-mhc verify test bench charts clean
 
 help:
 	@echo "make verify   fetch vLLM 0.33.0, apply the series, build the combined patch and overlay,"
@@ -24,7 +24,7 @@ help:
 	@echo "make apply TREE=path/to/vllm-src    apply the series (all or nothing)"
 	@echo "make refresh TREE=path              regenerate the patches from an edited tree"
 	@echo "make patched  build/patched: the sdist with the series applied (tests/test_vllm_import.py)"
-	@echo "make combined | combined-check | overlay | gate | bench | charts"
+	@echo "make combined | combined-check | overlay | gate | gate-mhc | bench | charts"
 
 # requirements-vllm-import.txt: the pure-Python packages importing the patched vLLM model
 # modules needs (never vLLM itself); torch==2.13.0 stays on the pip line so no CUDA torch
@@ -66,6 +66,12 @@ refresh:
 gate: venv
 	env -u TRITON_INTERPRET PYTHONPATH=overlay $(PY) -m vllm.deepinfer.compile_gate --json $(BUILD)/gate.json
 
+# mHC TileLang kernels for sm_80/sm_86 (vllm.deepinfer.mhc.gate): imports vLLM's mHC kernels
+# from the patched tree; TileLang caches builds in $(BUILD)/tilelang-cache.
+gate-mhc: venv $(BUILD)/patched/.ok
+	env -u TRITON_INTERPRET CUDA_VISIBLE_DEVICES= PYTHONPATH=$(BUILD)/patched \
+		$(PY) -m vllm.deepinfer.mhc.gate --json $(BUILD)/gate-mhc.json
+
 # The patched tree: a scratch copy of the pristine sdist with the series applied and our
 # package copied in as vllm/deepinfer; tests/test_vllm_import.py imports vLLM from it.
 patched: $(BUILD)/patched/.ok
@@ -79,7 +85,7 @@ EXACT_TESTS := tests/test_fp8.py tests/test_kv_gather.py tests/test_topk_swa.py 
                tests/test_sparse_mla_decode.py tests/test_fp8_writers.py \
                tests/test_fp8_writers_v4_compress.py
 
-verify: venv upstream-kernels $(BUILD)/patched/.ok combined-check overlay gate
+verify: venv upstream-kernels $(BUILD)/patched/.ok combined-check overlay gate gate-mhc
 	DEEPINFER_REQUIRE_UPSTREAM=1 $(PY) -m pytest -q -n $(JOBS) $(wildcard $(EXACT_TESTS))
 	@echo "verify: OK (series applied, combined patch current, overlay built, gate and exactness passed)"
 
@@ -93,4 +99,4 @@ charts:
 	$(HOSTPY) benchmarks/charts.py benchmarks/results/*.json
 
 clean:
-	rm -rf $(BUILD)/patched $(BUILD)/overlay $(KERNELS) $(BUILD)/gate.json
+	rm -rf $(BUILD)/patched $(BUILD)/overlay $(KERNELS) $(BUILD)/gate.json $(BUILD)/gate-mhc.json
