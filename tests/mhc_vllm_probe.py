@@ -6,6 +6,10 @@ tests/test_mhc.py in a subprocess:
 printing one JSON object (the last stdout line). Not collected by pytest.
 
 Scenarios:
+    projection   the other projections without DeepGEMM (patch 0030) and the fused geometry
+                 (0031) through the patched ops, with torch stand-ins for the TileLang kernels
+    warmup       what V4.1's and V4's layers register with vLLM's JIT warmup on the Ampere
+                 path (patches 0031/0032) and the keys that expands to
     first_layer  V4's ``mhc_pre_broadcast_tilelang`` (patch 0030) under forced variants,
                  DeepGEMM reported supported or not, and the DEEPINFER_MHC switch. TileLang
                  kernels cannot run on a CPU, so upstream's two kernel objects are replaced
@@ -323,7 +327,55 @@ def _big_fuse_stand_in(calls):
     return epilogue
 
 
-SCENARIOS = {"first_layer": scenario_first_layer, "projection": scenario_projection}
+def scenario_warmup() -> None:
+    """What V4.1's and V4's layers register (patches 0031/0032) on the Ampere path, and the
+    compile keys the registrations expand to, with the mhc feature on and off."""
+    from types import SimpleNamespace
+
+    import vllm.model_executor.kernels.mhc.tilelang_kernels as tk
+    import vllm.model_executor.kernels.mhc.warmup as wu
+    import vllm.utils.deep_gemm as dg
+    from vllm.deepinfer import routing
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    dg.is_deep_gemm_supported = lambda: False
+    tk.compute_num_split = lambda block_k, k, grid: 28  # what a 108-SM A100 computes
+    eps = dict(rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult_value=2.0,
+               sinkhorn_repeat=20)
+    hidden, max_tokens = 1024, 256
+    vcfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=max_tokens))
+
+    def registered(mhc_env):
+        set_env(DEEPINFER_ARCH="sm80", DEEPINFER_MHC=mhc_env)
+        routing.reset()
+        reg = JitWarmupRegistry(vcfg)
+        with reg.activate():
+            # V4.1's layer: the delayed epilogue over the hc stream and the embedding row.
+            for rms_numel, pre_in in ((4 * hidden, True), (hidden, False)):
+                wu.MHC_PRE_NORM_KERNEL.register_warmup(
+                    split_mode="fused", max_tokens=max_tokens, hidden_size=hidden,
+                    norm_eps=1e-6, hc_mult=4, rms_numel=rms_numel, use_pre_mix_in=pre_in,
+                    extra_splits=tk.mhc_fused_post_pre_splits(hidden, 4), **eps)
+            # V4's first layer.
+            tk._MHC_PRE_BIG_FUSE_TILELANG_KERNEL.register_warmup(
+                vcfg, hidden_size=hidden, hc_mult=4, use_norm_weight=True,
+                include_pre_gemm_splits=False, include_broadcast_splits=True,
+                norm_eps=(1e-6,), broadcast_norm_eps=1e-6, **eps)
+        out = {}
+        for kernel, regs in reg._registrations.items():
+            keys = []
+            for args, kwargs in regs:
+                keys += [repr(k) for k in kernel.get_warmup_keys(*args, **kwargs)]
+            out[type(kernel).__name__] = sorted(set(keys))
+        return out
+
+    record("on", lambda: registered(None))
+    record("off", lambda: registered("0"))
+    set_env(DEEPINFER_ARCH=None, DEEPINFER_MHC=None)
+
+
+SCENARIOS = {"first_layer": scenario_first_layer, "projection": scenario_projection,
+             "warmup": scenario_warmup}
 
 
 def main() -> int:

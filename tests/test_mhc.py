@@ -269,3 +269,47 @@ def test_warmup_keys_cover_every_dispatched_projection(arch_env):
     assert w.projection_splits(20480, 24, 8192, (108,)) == {key.n_splits for key in keys}
     arch_env("sm80", "0")
     assert w.projection_splits(20480, 24, 8192, (108,)) == set()
+
+
+# --------------------------------------------------------------------------- warmup (0031/0032)
+@pytest.fixture(scope="module")
+def warm():
+    _need_probe()
+    r = subprocess.run([sys.executable, str(PROBE), "warmup"], env=_probe_env(), cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        pytest.fail(f"mhc probe failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
+    res = json.loads(lines[-1])
+    assert res["_scenario"]["ok"], res["_scenario"]
+    return {k: _val(res, k) for k in ("on", "off")}
+
+
+def _splits(keys):
+    import re
+    return {int(re.search(r"n_splits=(\d+)", k).group(1)) for k in keys}
+
+
+def test_warmup_registers_every_ampere_kernel(warm):
+    from vllm.deepinfer.mhc import warmup as w
+    on = warm["on"]
+    # hidden 1024, 256 tokens, no GPU visible: the keys of every Ampere SM count.
+    want = {repr(k) for kk in (4096, 1024)
+            for k in w.tc_keys(kk, 24, 256, w.AMPERE_SM_COUNTS)}
+    assert set(on["MhcTcProjection"]) == want
+    # First-layer batches under 16 tokens: TileLang's prenorm GEMM over the embedding row.
+    assert all("hc_mult=1" in k for k in on["HcPrenormGemmTileLangKernel"])
+    # The fused post + pre kernel, which V4.1's model itself never registers.
+    assert on["MhcFusedTileLangKernel"]
+    # Epilogues at every split count the projection writes.
+    tc = {kk: w.projection_splits(kk, 24, 256, w.AMPERE_SM_COUNTS) for kk in (4096, 1024)}
+    assert tc[4096] <= _splits(on["MHCPreNormKernel"])
+    big = on["MhcPreBigFuseTileLangKernel"]
+    assert tc[4096] <= _splits(k for k in big if "is_broadcast=False" in k)
+    assert tc[1024] | {1} <= _splits(k for k in big if "is_broadcast=True" in k)
+
+
+def test_warmup_untouched_when_switched_off(warm):
+    off = warm["off"]
+    assert set(off) == {"MHCPreNormKernel", "MhcPreBigFuseTileLangKernel"}
+    assert _splits(off["MHCPreNormKernel"]) == {1, 8}  # no DeepGEMM: one split + fused splits

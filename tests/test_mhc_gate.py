@@ -72,6 +72,7 @@ def test_gate_reports_resources(gate):
         assert d["regs"] is not None and 0 < d["regs"] <= 255, d
         assert d["shared"] is not None and d["shared"] <= BUDGET, d
         assert d["sm90_only"] == [], d
+        assert d["local"] == 0, d  # no register spills
     # The largest upstream epilogue stages hidden 5120 bf16 in shared memory (~31 KB).
     epi = [d["shared"] for d in results if d["kernel"] == "MHC_PRE_NORM_KERNEL"
            and d["hidden"] == 5120]
@@ -97,3 +98,12 @@ def test_gate_needs_the_vllm_tree():
     r = subprocess.run([sys.executable, "-m", "vllm.deepinfer.mhc.gate", "--list"], env=env,
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "build/patched" in r.stderr, r.stderr[-2000:]
+
+
+def test_sm80_and_sm86_lower_to_the_same_source(gate):
+    results, _ = gate
+    by_key: dict = {}
+    for d in results:
+        by_key.setdefault(d["name"], {})[d["cc"]] = d["source_sha256"]
+    pairs = [v for v in by_key.values() if len(v) == 2]
+    assert pairs and all(v[80] == v[86] for v in pairs)

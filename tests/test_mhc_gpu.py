@@ -80,12 +80,14 @@ def test_first_layer_without_deep_gemm(monkeypatch, t, hidden):
     routing.reset()
     x, fn, fn_b, scale, base, w = _inputs(t, hidden)
     ours_gemm = mhc.broadcast_prenorm_gemm(x, fn_b, deep_gemm_supported=True)
-    assert ours_gemm is not None and ours_gemm[0].shape == (1, t, 24)
+    # Under 16 tokens TileLang's FMA prenorm GEMM (one split); from 16 our tf32 projection.
+    splits = 1 if t < mhc.TC_MIN_TOKENS else ours_gemm[0].shape[0]
+    assert ours_gemm is not None and ours_gemm[0].shape == (splits, t, 24)
     ours = _epilogue(tk, ours_gemm, x, scale, base, w)
     want = ref.broadcast_pre(x, fn_b, scale, base, *EPS.values(), w, 1e-6, 4)
     m_ref, s_ref = ref.prenorm_gemm(x, fn_b)
-    torch.testing.assert_close(ours_gemm[0][0], m_ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ours_gemm[1][0], s_ref, rtol=1e-5, atol=1e-3)
+    assert ((ours_gemm[0].sum(0) - m_ref).abs() <= _tf32_bound(x, fn_b)).all()
+    torch.testing.assert_close(ours_gemm[1].sum(0), s_ref, rtol=1e-5, atol=1e-3)
     assert torch.equal(ours[0], want[0])
     torch.testing.assert_close(ours[1], want[1], rtol=0, atol=COEF_ATOL)
     torch.testing.assert_close(ours[2], want[2], rtol=0, atol=COEF_ATOL)
@@ -108,6 +110,11 @@ def test_first_layer_without_deep_gemm(monkeypatch, t, hidden):
 
 
 # --------------------------------------------------------------------------- tensor-core projection
+def _tf32_bound(x, fn):
+    """tf32 keeps 10 mantissa bits of fn (x, bf16, is exact): each product is off by less
+    than 2^-10 of itself, so the sum by less than 2^-10 of the sum of |products|; twice
+    that covers fp32 accumulation order (typically ~sqrt(K) x 2^-24 relative)."""
+    return (x.float().abs() @ fn.float().abs().T) * 2.0 ** -9 + 1e-5
 @pytest.mark.parametrize("k", [4096, 5120, 20480, 28672])
 @pytest.mark.parametrize("t", [16, 17, 64, 100, 1024, 8192])
 def test_tc_projection_against_fp32(t, k):
@@ -121,10 +128,7 @@ def test_tc_projection_against_fp32(t, k):
     out, sq = kernels.prenorm_gemm_tc(x, fn, mhc.sm_count(x.device))
     assert out.shape[0] in kernels.SPLIT_BUCKETS and out.shape[1:] == (t, 24)
     m_ref, s_ref = ref.prenorm_gemm(x, fn)
-    # tf32 keeps 10 mantissa bits of fn (x is exact): each product is off by at most 2^-10
-    # of itself (truncation), so the sum by at most 2^-10 of the sum of |products|.
-    bound = (x.float().abs() @ fn.abs().T) * 2.0 ** -10 + 1e-6
-    assert ((out.sum(0) - m_ref).abs() <= bound).all()
+    assert ((out.sum(0) - m_ref).abs() <= _tf32_bound(x, fn)).all()
     torch.testing.assert_close(sq.sum(0), s_ref, rtol=1e-5, atol=1e-3)
 
 

@@ -82,8 +82,10 @@ class GateResult:
     regs: int | None = None
     shared_static: int | None = None
     shared_dynamic: int | None = None
+    local: int | None = None  # spill/stack bytes per thread (0: no register spills)
     budget: int | None = None
     sm90_only: list[str] = dataclasses.field(default_factory=list)
+    source_sha256: str = ""  # of TileLang's CUDA device source (sm_80 vs sm_86 comparisons)
     error: str = ""
 
     @property
@@ -234,11 +236,11 @@ def _cuobjdump() -> str | None:
     return shutil.which("cuobjdump")
 
 
-def _resource_usage(cubin_path: str) -> tuple[int | None, int | None, str]:
-    """(registers, static shared bytes, sm target) of a cubin, from cuobjdump."""
+def _resource_usage(cubin_path: str) -> tuple[int | None, int | None, str, int | None]:
+    """(registers, static shared bytes, sm target, local bytes) of a cubin, from cuobjdump."""
     tool = _cuobjdump()
     if tool is None:
-        return None, None, ""
+        return None, None, "", None
     out = subprocess.run([tool, "--dump-resource-usage", cubin_path], capture_output=True,
                          text=True, timeout=120).stdout
     sass = subprocess.run([tool, "-sass", cubin_path], capture_output=True, text=True,
@@ -246,7 +248,9 @@ def _resource_usage(cubin_path: str) -> tuple[int | None, int | None, str]:
     regs = max((int(r) for r in re.findall(r"REG:(\d+)", out)), default=None)
     shared = max((int(s) for s in re.findall(r"SHARED:(\d+)", out)), default=None)
     m = re.search(r"code for (sm_\d+)", sass)
-    return regs, shared, (m.group(1) if m else "")
+    local = max((int(a) + int(b) for a, b in re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)),
+                default=None)
+    return regs, shared, (m.group(1) if m else ""), local
 
 
 class _CubinTap:
@@ -269,7 +273,7 @@ class _CubinTap:
             return key
         CUDABinaryCache.make_key = classmethod(make_key)
 
-    def facts(self, device_source: str, cc: int) -> tuple[int | None, int | None, str]:
+    def facts(self, device_source: str, cc: int) -> tuple:
         import hashlib
         import json
         root = os.path.join(self.cls._get_namespace_root(), "deepinfer-gate")
@@ -285,9 +289,10 @@ class _CubinTap:
             return got
         if os.path.exists(rec):
             with open(rec) as f:
-                regs, shared, arch = json.load(f)
-            return regs, shared, arch
-        return None, None, ""
+                got = json.load(f)
+            if len(got) == 4:
+                return tuple(got)
+        return None, None, "", None
 
 
 _CALL = re.compile(r"TVMFFIFunctionCall\((\w+)_packed, \(TVMFFIAny\*\) stack_ffi_any, (\d+)")
@@ -346,7 +351,9 @@ def check(tk, wu, case: GateCase, cc: int, budget: int) -> GateResult:
                     helper.compile_tilelang = saved
         kernel = built[-1]
         device = kernel.get_kernel_source()
-        res.regs, res.shared_static, arch = tap.facts(device, cc)
+        import hashlib
+        res.source_sha256 = hashlib.sha256(device.encode()).hexdigest()
+        res.regs, res.shared_static, arch, res.local = tap.facts(device, cc)
         res.sm90_only = [s for s in SM90_ONLY if s in device]
         res.shared_dynamic = _dynamic_shared(kernel.get_host_source(), device)
     except Exception as e:  # a compile failure is a gate failure, with its message
@@ -369,11 +376,12 @@ def check(tk, wu, case: GateCase, cc: int, budget: int) -> GateResult:
 
 
 def format_table(results: list[GateResult]) -> str:
-    rows = [f"{'kernel / key':100s} {'hidden':>6s} {'target':7s} {'regs':>5s} {'shared':>7s} "
-            f"{'budget':>7s} {'s':>6s}  status"]
+    rows = [f"{'kernel / key':100s} {'hidden':>6s} {'target':7s} {'regs':>5s} {'spill':>5s} "
+            f"{'shared':>7s} {'budget':>7s} {'s':>6s}  status"]
     for r in results:
         rows.append(f"{r.name[:100]:100s} {r.hidden:>6d} sm_{r.cc:<4d} "
                     f"{r.regs if r.regs is not None else '-':>5} "
+                    f"{r.local if r.local is not None else '-':>5} "
                     f"{r.shared if r.shared is not None else '-':>7} {r.budget:>7} "
                     f"{r.seconds:>6.1f}  {'ok' if r.ok else 'FAIL: ' + r.error}")
     return "\n".join(rows)
