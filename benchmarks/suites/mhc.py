@@ -32,7 +32,8 @@ outputs between the two sides), ``ours_err_ref``/``upstream_err_ref`` (each side
 the fp32 reference vllm.deepinfer.mhc.reference: largest difference over post, comb and
 next pre-mix; and over the bf16 layer input, ``*_input_err_ref``). ``bytes``: residual
 streams read and written, x read, layer input written (the post + pre's unavoidable
-traffic). ``--quick``: hidden 5120 only.
+traffic). ``--quick``: hidden 5120 only; ``BENCH_MHC_HIDDEN=4096,7168`` picks the hidden
+sizes (a full run takes about three times the quick one).
 """
 from __future__ import annotations
 
@@ -157,6 +158,8 @@ def run(h: Harness) -> None:
     dev = h.dev
     gen = torch.Generator(device=dev).manual_seed(0)
     hidden = (5120,) if h.quick else HIDDEN
+    if os.environ.get("BENCH_MHC_HIDDEN"):  # e.g. 4096,7168: split a long run in two
+        hidden = tuple(int(v) for v in os.environ["BENCH_MHC_HIDDEN"].split(","))
     for hs in hidden:
         w = _weights(dev, hs, gen)
         for t in TOKENS:
