@@ -35,9 +35,9 @@ def _env():
 
 
 @pytest.fixture(scope="module")
-def gate():
+def gate(tmp_path_factory):
     _need_probe()
-    out = BUILD / "gate-mhc-test.json"
+    out = tmp_path_factory.mktemp("gate-mhc") / "gate-mhc.json"
     r = subprocess.run([sys.executable, "-m", "vllm.deepinfer.mhc.gate", "--json", str(out)],
                        env=_env(), cwd=REPO, capture_output=True, text=True, timeout=1800)
     if not out.is_file():

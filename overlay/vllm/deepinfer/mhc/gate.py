@@ -187,8 +187,8 @@ def cases(tk, wu, hidden_sizes=HIDDEN_SIZES, tokens=TOKENS) -> list[GateCase]:
 # form (carried pre-mix over the hc stream), the tensor-core GEMM at its largest tile (the
 # one at the shared-memory budget) for both targets and its smaller tiles for sm_80; at 4096
 # and 7168 the geometries that divide hidden (fused post + pre, FMA prenorm GEMM) for
-# sm_80. About 3.5 minutes on 2 cores from an empty cache (each build lowers through
-# TileLang and runs nvcc; the epilogues take 25-60 s each). ``--set full`` compiles every
+# sm_80. About 3 CPU-minutes from an empty cache (each build lowers through TileLang and
+# runs nvcc; the epilogues take 25-60 s each), under one from build/tilelang-cache. ``--set full`` compiles every
 # key for both targets (about 200 builds).
 CI_HIDDEN = 5120
 CI_OTHER_HIDDEN_KERNELS = ("_MHC_FUSED_TILELANG_KERNEL", "_HC_PRENORM_GEMM_TILELANG_KERNEL")
@@ -283,9 +283,11 @@ class _CubinTap:
         path = self.cls.get_path(self.keys[-1], "cubin") if self.keys else None
         if path and os.path.exists(path):
             got = _resource_usage(path)
-            if got[0] is not None:
-                with open(rec, "w") as f:
+            if got[0] is not None:  # written whole, then renamed: parallel gates read it
+                tmp = f"{rec}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
                     json.dump(got, f)
+                os.replace(tmp, rec)
             return got
         if os.path.exists(rec):
             with open(rec) as f:
