@@ -45,8 +45,11 @@ def first_layer_on_tilelang(deep_gemm_supported: bool) -> bool:
     by default (sm80/sm86/sm89), and also wherever vLLM reports DeepGEMM unsupported
     (``is_deep_gemm_supported()`` False, for example a capability reported as 8.0 on a
     Hopper GPU), since upstream's call cannot succeed there. A GPU below 8.0 (no variant
-    of ours) stays upstream's.
+    of ours) and ROCm stay upstream's.
     """
+    import torch
+    if torch.version.hip is not None:  # ROCm runs mHC through its own (AITER) kernels
+        return False
     explicit = envs.explicit(FEATURE)
     if explicit is not None:
         if not explicit and not deep_gemm_supported:
