@@ -174,7 +174,9 @@ def test_fused_post_pre_delayed_ampere(ampere, t, hidden):
                                                             norm_eps=1e-6)
     want = ref.fused_post_pre(*args, norm_weight=w, norm_eps=1e-6, pre_mix=pre, delayed=True)
     up, our = got[False], got[True]
-    assert torch.equal(our[0], up[0])  # the post mapping: the same kernel arithmetic
+    # The post mapping: the fused kernel and the post kernel accumulate each stream in the
+    # same order; allow one bf16 ulp in case nvcc contracts them differently.
+    torch.testing.assert_close(our[0].float(), up[0].float(), rtol=2.0 ** -8, atol=1e-6)
     for i in (1, 2, 4):
         torch.testing.assert_close(our[i], want[i], rtol=0, atol=COEF_ATOL)
         torch.testing.assert_close(our[i], up[i], rtol=0, atol=COEF_ATOL)

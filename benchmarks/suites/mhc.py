@@ -53,18 +53,18 @@ EPS = dict(rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult_val
 
 def _setup():
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("tilelang") is None:
-        raise SystemExit("mhc suite: needs vLLM 0.33.0 and TileLang 0.1.12 importable "
+        raise RuntimeError("mhc suite: needs vLLM 0.33.0 and TileLang 0.1.12 importable "
                          "(the vLLM kit: PYTHONPATH=/tmp/site)")
     import vllm
     if importlib.util.find_spec("vllm.deepinfer.mhc") is None:
-        raise SystemExit("mhc suite: vllm.deepinfer is not installed in this vLLM: make overlay "
+        raise RuntimeError("mhc suite: vllm.deepinfer is not installed in this vLLM: make overlay "
                          "here, then python3 tools/install_overlay.py install --vllm-dir "
                          f"{os.path.dirname(vllm.__path__[0])}/vllm --overlay build/overlay")
     import vllm.model_executor.kernels.mhc.tilelang as ops
     import vllm.model_executor.kernels.mhc.tilelang_kernels as tk
     import vllm.utils.deep_gemm as dg
     if "_deepinfer_mhc" not in open(ops.__file__).read():
-        raise SystemExit(f"mhc suite: {ops.__file__} is not patched (patch 0030): install "
+        raise RuntimeError(f"mhc suite: {ops.__file__} is not patched (patch 0030): install "
                          "the overlay (see this suite's docstring)")
     tk.ENABLE_PDL = False  # Ampere builds: PDL exists only from 9.0
     return ops, tk, dg
