@@ -672,8 +672,9 @@ def write_checkpoint(cfg: ModelConfig, fmt: str, out: Path, seed: int = 0,
         if not current:
             return
         shards.append(list(current))
-        save_file(current, str(out / f"_shard{len(shards)}.safetensors"),
-                  metadata={"format": "pt"})
+        path = out / f"_shard{len(shards)}.safetensors"
+        save_file(current, str(path), metadata={"format": "pt"})
+        path.chmod(0o644)  # safetensors creates 0600; the engine may run as another user
         current, current_bytes = {}, 0
 
     for tensors in _materialize_all(specs, fmt, seed, threads):
