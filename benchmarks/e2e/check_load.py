@@ -19,8 +19,8 @@ left unset (it only does so for unquantized models by default); a tensor name th
 does not know raises in ``load_weights`` either way. A failure prints the exception
 text in full.
 
-Then two prompts of token ids are generated greedily (8 tokens, logprobs=5,
-ignore_eos) and the script reports, per prompt, the tokens and the mean top-1
+Then two prompts of token ids (40 and 2100 tokens, see prompts()) are generated
+greedily (8 tokens, logprobs=5, ignore_eos) and the script reports, per prompt, the tokens and the mean top-1
 logprob against -ln(vocab), the logprob of a uniform distribution: random weights at
 realistic scales give a peaked distribution (top-1 several nats above uniform);
 vLLM's ``load_format="dummy"`` weights give a nearly uniform one. The verdict line
@@ -43,18 +43,21 @@ from pathlib import Path
 # uniform -ln(vocab): e^2 ~ 7x more likely than uniform. The make_checkpoint head scale
 # (logits of std ~3) puts it near 8-9 nats above; dummy weights stay within ~0.1.
 SPREAD_NATS = 2.0
+# Longer than 4 x 512 tokens: the C4A indexer (top-k 512 of n/4 entries) then selects too.
+LONG_PROMPT = 2100
 # The engine settings of the end-to-end comparison runs.
 LLM_KWARGS = dict(skip_tokenizer_init=True, language_model_only=True, enforce_eager=True,
                   max_model_len=4096, gpu_memory_utilization=0.5, max_num_seqs=8, seed=0)
 
 
 def prompts(vocab: int) -> list[list[int]]:
-    """Two deterministic prompts of token ids below every image-sentinel id
-    (V4: 129257, V4.1: 129264) and inside a reduced vocabulary: 40 and 300 tokens, the
-    second past the 128-token sliding window, so compressed layers hold entries."""
+    """Two deterministic prompts of token ids in [2, min(vocab, 129000)), below every
+    image-sentinel id (V4: 129257, V4.1: 129264) and the eos id 1: 40 tokens (sliding
+    window only) and LONG_PROMPT tokens, past the 128-token window and past the indexer's
+    top-k of 512 compressed entries at ratios 1, 2 and 4, so the indexer selects."""
     top = min(vocab, 129000) - 2
     a = [(7 + 31 * i) % top + 2 for i in range(40)]
-    b = [(11 + 97 * i * i) % top + 2 for i in range(300)]
+    b = [(11 + 97 * i * i) % top + 2 for i in range(LONG_PROMPT)]
     return [a, b]
 
 
