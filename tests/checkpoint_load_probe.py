@@ -1,10 +1,10 @@
 """Checkpoints of tools/make_checkpoint.py loaded by vLLM 0.33.0's own model code, on CPU.
 Run by tests/test_make_checkpoint.py in a subprocess:
 
-    CUDA_VISIBLE_DEVICES= PYTHONPATH=build/patched python tests/checkpoint_load_probe.py OUT_DIR
+    CUDA_VISIBLE_DEVICES= PYTHONPATH=build/patched python tests/checkpoint_load_probe.py WORK_DIR
 
 For every case of CASES it writes a checkpoint (reduced sizes, same topology as the
-config) under OUT_DIR, builds the model class vLLM's registry names for the config's
+config) under WORK_DIR (and deletes it after recording its safetensors headers), builds the model class vLLM's registry names for the config's
 architecture -- the DeepSeek-V4.1 vision wrapper with language_model_only, or
 DeepseekV4ForCausalLM -- with the quantization config vLLM picks on CUDA
 (deepseek_v41.DeepseekV4FP8Config for both models), on a faked SM80 device (this project's
@@ -25,8 +25,8 @@ import hashlib
 import importlib
 import json
 import os
+import shutil
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -41,8 +41,12 @@ CONFIGS = REPO / "benchmarks" / "e2e" / "configs"
 # MoE structure stay those of the config; heads, vocabulary and index heads shrink.
 SMALL = {"vocab_size": 4096, "hidden_size": 512, "num_attention_heads": 16, "index_n_heads": 16,
          "n_routed_experts": 4}
-CASES = [("v41-mini", "bf16"), ("v41-mini", "fp8"), ("v41-mini", "mxfp8"),
-         ("v4-mini", "bf16"), ("v4-mini", "fp8")]
+# v41-tput keeps its layer roles and q_lora_rank 1280 (not a power of two); 8 heads, a
+# 256 o_lora_rank and 256-wide experts keep its projections as small as the minis'.
+CASES = [("v41-mini", "bf16", {}), ("v41-mini", "fp8", {}), ("v41-mini", "mxfp8", {}),
+         ("v41-tput", "mxfp8", {"num_attention_heads": 8, "o_lora_rank": 256,
+                                "moe_intermediate_size": 256}),
+         ("v4-mini", "bf16", {}), ("v4-mini", "fp8", {})]
 
 RESULTS: dict = {}
 
@@ -198,12 +202,29 @@ def _check_values(model, ckpt_fmt: str, cfg, seed: int) -> dict:
     return out
 
 
-def run_case(config: str, fmt: str, out_dir: Path) -> dict:
+def _files(ckpt: Path) -> dict:
+    """What was written: the safetensors headers, the quantization_config, the tokenizer."""
+    from safetensors import safe_open
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    headers = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        with safe_open(str(ckpt / fname), "pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                headers[key] = [list(sl.get_shape()), sl.get_dtype()]
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return {"index_names": sorted(index["weight_map"]), "headers": headers,
+            "quantization_config": cfg.get("quantization_config"),
+            "expert_dtype_top": cfg.get("expert_dtype"),
+            "tokenizer": (ckpt / "tokenizer.json").is_file()}
+
+
+def run_case(config: str, fmt: str, extra: dict, out_dir: Path) -> dict:
     import make_checkpoint as mk
     import torch
     from vllm.config import set_current_vllm_config
 
-    cfg = mk.load_config(CONFIGS / config, SMALL)
+    cfg = mk.load_config(CONFIGS / config, {**SMALL, **extra})
     ckpt = out_dir / f"{config}-{fmt}"
     mk.write_checkpoint(cfg, fmt, ckpt, seed=0, threads=2, log=lambda *a: None)
     vcfg, info = _vllm_config(ckpt)
@@ -274,7 +295,9 @@ def run_case(config: str, fmt: str, out_dir: Path) -> dict:
                                                 "layers.0.ffn.shared_experts.down_proj",
                                                 "layers.0.ffn.gate")}
     info["values"] = _check_values(model, fmt, cfg, 0)
-    del model
+    info["files"] = _files(ckpt)
+    del model, written
+    shutil.rmtree(ckpt, ignore_errors=True)
     return info
 
 
@@ -286,22 +309,24 @@ def main() -> int:
         _stub_platform()
         from vllm.config import DeviceConfig, VllmConfig
         from vllm_import_probe import _dist_init
-        _dist_init(tempfile.mkdtemp(prefix="deepinfer-ckpt-probe-"),
-                   VllmConfig(device_config=DeviceConfig(device="cpu")))
+        _dist_init(str(out_dir), VllmConfig(device_config=DeviceConfig(device="cpu")))
         RESULTS["_setup"] = {"ok": True}
     except BaseException as e:  # noqa: BLE001 - the probe reports everything
         RESULTS["_setup"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                              "trace": traceback.format_exc()[-3000:]}
     if RESULTS["_setup"]["ok"]:
-        for config, fmt in CASES:
+        for config, fmt, extra in CASES:
             t = time.perf_counter()
             try:
-                RESULTS[f"{config}/{fmt}"] = {"ok": True, **run_case(config, fmt, out_dir)}
+                RESULTS[f"{config}/{fmt}"] = {"ok": True,
+                                              **run_case(config, fmt, extra, out_dir)}
             except BaseException as e:  # noqa: BLE001
                 RESULTS[f"{config}/{fmt}"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                                               "trace": traceback.format_exc()[-3000:]}
             RESULTS[f"{config}/{fmt}"]["seconds"] = round(time.perf_counter() - t, 2)
     RESULTS["_seconds"] = round(time.perf_counter() - t0, 2)
+    RESULTS["_small"] = SMALL
+    RESULTS["_extra"] = {f"{c}/{f}": e for c, f, e in CASES}
     sys.stdout.write("\n" + json.dumps(RESULTS) + "\n")
     return 0
 
