@@ -245,6 +245,18 @@ def test_v4_config_and_format_errors(tmp_path):
         mk.materialize(spec, "fp8", 0)
 
 
+def test_cli_list_and_required_out(capsys):
+    assert mk.main([str(CONFIGS / "v41-mini"), "--format", "mxfp8", "--list",
+                    "--set", "vocab_size=4096", "--set", "engram_layer_ids=[]"]) == 0
+    rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == ["embed.weight", "[4096, 1024]", "bfloat16"]
+    assert not any(".engram." in r[0] for r in rows)
+    assert ["layers.2.attn.wq_b.scale", "[1024, 16]", "float8_e8m0fnu"] in rows
+    assert len(rows) == V41_QUANT - 2 * 6  # two engram layers: 5 tensors + 1 scale each
+    with pytest.raises(ToolError, match="--out DIR is required"):
+        mk.main([str(CONFIGS / "v4-mini")])
+
+
 def test_vocab_override_keeps_engram_tokenizer_in_step():
     cfg = mk.load_config(CONFIGS / "v41-mini", {"vocab_size": 4096})
     assert cfg.get("engram_compressed_vocab_size") == 4096
