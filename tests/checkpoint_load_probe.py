@@ -53,7 +53,7 @@ RESULTS: dict = {}
 
 def _stub_platform() -> None:
     import torch
-    from vllm_import_probe import _cpu_platform, _FakeEvent
+    from vllm_probe_common import _FakeEvent, cpu_platform as _cpu_platform
     _cpu_platform()  # faked SM80 capability, CPU tensors
     torch.cuda.Stream = _FakeEvent  # type: ignore[misc]
     torch.cuda.get_device_properties = lambda *a, **k: SimpleNamespace(  # type: ignore
@@ -308,7 +308,7 @@ def main() -> int:
     try:
         _stub_platform()
         from vllm.config import DeviceConfig, VllmConfig
-        from vllm_import_probe import _dist_init
+        from vllm_probe_common import dist_init as _dist_init
         _dist_init(str(out_dir), VllmConfig(device_config=DeviceConfig(device="cpu")))
         RESULTS["_setup"] = {"ok": True}
     except BaseException as e:  # noqa: BLE001 - the probe reports everything
