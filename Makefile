@@ -15,13 +15,14 @@ JOBS     ?= auto
 export DEEPINFER_BUILD := $(abspath $(BUILD))
 
 .PHONY: help venv upstream upstream-kernels patched combined combined-check overlay apply refresh \
-        gate gate-mhc verify test bench charts clean
+        check-tree gate verify verify-exact test bench gate-mhc charts clean e2e
 
 help:
 	@echo "make verify   fetch vLLM 0.33.0, apply the series, build the combined patch and overlay,"
 	@echo "              run the compile gate and the bit-exactness tests"
 	@echo "make test     the whole test suite (CPU: Triton interpreter)"
-	@echo "make apply TREE=path/to/vllm-src    apply the series (all or nothing)"
+	@echo "make apply TREE=path/to/vllm-src    apply the series (all or nothing, verified)"
+	@echo "make check-tree TREE=path           is TREE patched exactly as the series says?"
 	@echo "make refresh TREE=path              regenerate the patches from an edited tree"
 	@echo "make patched  build/patched: the sdist with the series applied (tests/test_vllm_import.py)"
 	@echo "make combined | combined-check | overlay | gate | gate-mhc | bench | charts"
@@ -59,6 +60,10 @@ apply:
 	@test -n "$(TREE)" || { echo "usage: make apply TREE=path/to/vllm-0.33.0"; exit 2; }
 	$(HOSTPY) tools/patchset.py apply --tree "$(TREE)"
 
+check-tree:
+	@test -n "$(TREE)" || { echo "usage: make check-tree TREE=path/to/vllm-0.33.0"; exit 2; }
+	$(HOSTPY) tools/patchset.py verify --tree "$(TREE)"
+
 refresh:
 	@test -n "$(TREE)" || { echo "usage: make refresh TREE=path/to/edited/tree"; exit 2; }
 	$(HOSTPY) tools/patchset.py refresh --tree "$(TREE)"
@@ -85,9 +90,13 @@ EXACT_TESTS := tests/test_fp8.py tests/test_kv_gather.py tests/test_topk_swa.py 
                tests/test_sparse_mla_decode.py tests/test_fp8_writers.py \
                tests/test_fp8_writers_v4_compress.py
 
-verify: venv upstream-kernels $(BUILD)/patched/.ok combined-check overlay gate gate-mhc
+verify-exact: venv upstream-kernels $(BUILD)/patched/.ok combined-check overlay gate gate-mhc
 	DEEPINFER_REQUIRE_UPSTREAM=1 $(PY) -m pytest -q -n $(JOBS) $(wildcard $(EXACT_TESTS))
-	@echo "verify: OK (series applied, combined patch current, overlay built, gate and exactness passed)"
+
+# The OK line is a recipe of its own: under .ONESHELL make echoes a whole recipe before
+# running it, so an echo after pytest in the same recipe was printed before the tests ran.
+verify: verify-exact
+	@echo "verify: OK (series applied and verified, combined patch and RESULTS.sha256 current, overlay built, gate and exactness passed)"
 
 test: venv upstream-kernels $(BUILD)/patched/.ok
 	DEEPINFER_REQUIRE_UPSTREAM=1 $(PY) -m pytest -q -n $(JOBS) tests
@@ -97,6 +106,18 @@ bench: upstream-kernels
 
 charts:
 	$(HOSTPY) benchmarks/charts.py benchmarks/results/*.json
+
+# GPU + an installed vLLM 0.33.0: install the overlay into the vLLM python imports (restoring
+# an older install of ours first), then benchmarks/e2e/e2e.py (docs/e2e.md). E2E_ARGS passes
+# options through, e.g. E2E_ARGS="--quick" or E2E_ARGS="--steps agree".
+e2e: $(BUILD)/overlay/MANIFEST.json
+	if $(HOSTPY) tools/install_overlay.py status >/dev/null 2>&1; then \
+	  $(HOSTPY) tools/install_overlay.py restore; fi
+	$(HOSTPY) tools/install_overlay.py install --overlay $(BUILD)/overlay
+	PYTHONUNBUFFERED=1 $(HOSTPY) benchmarks/e2e/e2e.py $(E2E_ARGS)
+
+$(BUILD)/overlay/MANIFEST.json:
+	$(MAKE) overlay
 
 clean:
 	rm -rf $(BUILD)/patched $(BUILD)/overlay $(KERNELS) $(BUILD)/gate.json $(BUILD)/gate-mhc.json

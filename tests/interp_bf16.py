@@ -4,7 +4,7 @@ The interpreter stores bf16 as raw uint16 and runs numpy arithmetic and matmul o
 and truncates fp32 -> bf16. ``patch(setattr)`` makes bf16 binary ops and dots compute in
 fp32 and every fp32 -> bf16 conversion round to nearest even. ``setattr`` is pytest's
 ``monkeypatch.setattr`` (undone after the test) or the builtin (a probe process). Used by
-tests/test_sparse_mla_decode.py and tests/vllm_import_probe.py (upstream's bf16 prefill).
+tests/test_sparse_mla_decode.py and tests/vllm_probe_forward.py (upstream's bf16 prefill).
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ import importlib
 import pytest
 import torch
 
+from edges import ODD_PAGES, invalid_slots
 from vllm.deepinfer import kv_record as rec
 from vllm.deepinfer.kernels import fp8_writers_v4 as v4
 from vllm.deepinfer.kernels import fp8_writers_v41 as v41
@@ -77,6 +78,17 @@ def up(upstream):
 
 
 # ----------------------------------------------------------------- V4.1 compressed KV insert
+def _with_invalid_slots(slots: torch.Tensor, rows: int, at) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ours, upstream's) slot mappings: ours holds every invalid slot value of
+    tests/edges.py at the rows ``at`` (rows that write); upstream, which would write out of
+    bounds for the ones past the cache, gets its padding slot -1 there instead."""
+    bad = invalid_slots(rows)
+    ours, theirs = slots.clone(), slots.clone()
+    ours[list(at)[:len(bad)]] = torch.tensor(bad, dtype=slots.dtype)
+    theirs[list(at)[:len(bad)]] = -1
+    return ours, theirs
+
+
 def _paged_buffer(num_blocks: int, block: int, row_bytes: int, gen: torch.Generator):
     """Random bytes, and a view of them as pages one 64-byte pad apart (V4.1 pages share a
     physical block, so a page stride is not block * row_bytes)."""
@@ -85,23 +97,25 @@ def _paged_buffer(num_blocks: int, block: int, row_bytes: int, gen: torch.Genera
     return buf, lambda b: b.as_strided((num_blocks, block, row_bytes), (page, row_bytes, 1))
 
 
-@pytest.mark.parametrize("compress_ratio", [1, 2])
-def test_rope_quant_insert_584_matches_upstream(up, compress_ratio, device):
-    gen = torch.Generator().manual_seed(41 + compress_ratio)
-    n, block, nblocks = 48, 16, 4
+@pytest.mark.parametrize("compress_ratio,block", [(1, 16), (2, 16), (1, ODD_PAGES[1])])
+def test_rope_quant_insert_584_matches_upstream(up, compress_ratio, block, device):
+    gen = torch.Generator().manual_seed(41 + compress_ratio + block)
+    n, nblocks = 48, 4
     latent = _edge_rows(n, 512, gen).to(torch.bfloat16)
     positions = torch.randint(0, 200, (n,), generator=gen, dtype=torch.int64)
-    positions[:8] = torch.arange(8) * compress_ratio + compress_ratio - 1  # edge rows write
+    positions[:14] = torch.arange(14) * compress_ratio + compress_ratio - 1  # edge rows write
     slots = torch.randperm(nblocks * block, generator=gen)[:n].to(torch.int64)
     slots[5] = -1
+    slots, up_slots = _with_invalid_slots(slots, nblocks * block, range(8, 14))
     cos_sin = _cos_sin(256, 64, gen)
     base, pages = _paged_buffer(nblocks, block, rec.RECORD_BYTES, gen)
-    latent, positions, slots, cos_sin, base = _on(device, latent, positions, slots, cos_sin, base)
+    latent, positions, slots, up_slots, cos_sin, base = _on(device, latent, positions, slots,
+                                                            up_slots, cos_sin, base)
 
     ref = base.clone()
     cache = pages(ref)
     up["v41_fused_compress"]._rope_quant_insert_kernel[(n,)](
-        latent, positions, cos_sin, cache, slots, COS_STRIDE=cos_sin.stride(0),
+        latent, positions, cos_sin, cache, up_slots, COS_STRIDE=cos_sin.stride(0),
         CACHE_STRIDE=cache.stride(0), CACHE_BLOCK=cache.shape[1], COMPRESS_RATIO=compress_ratio,
         SANITIZE_CACHE_NANS=False, num_warps=4)
     assert not torch.equal(ref, base)
@@ -127,34 +141,34 @@ def test_rope_quant_insert_584_decodes_to_reference(device):
     cache = cache.cpu()
     expect = rec.new_cache(1, 8)
     rec.insert_rows(expect, slots, latent.float())
-    bs = cache.shape[1]
     # NoPE bytes and scales against the torch quantizer (the RoPE part is rotated by us).
-    for i in range(6):
-        assert torch.equal(cache[0].flatten()[i * 576: i * 576 + 448], expect[0].flatten()[i * 576: i * 576 + 448])
-        sc = slice(bs * 576 + i * 8, bs * 576 + i * 8 + 8)
-        assert torch.equal(cache[0].flatten()[sc], expect[0].flatten()[sc])
+    got, want = rec.read_records(cache, slots), rec.read_records(expect, slots)
+    assert torch.equal(got[:, :rec.NOPE_DIM], want[:, :rec.NOPE_DIM])
+    assert torch.equal(got[:, rec.DATA_BYTES:], want[:, rec.DATA_BYTES:])
 
 
 # ----------------------------------------------------------------- V4.1 indexer K store
-@pytest.mark.parametrize("compress_ratio,mx_scale", [(1, False), (2, False), (2, True)])
-def test_indexer_k_store_matches_upstream(up, compress_ratio, mx_scale, device):
-    gen = torch.Generator().manual_seed(100 + compress_ratio + mx_scale)
-    n, block, nblocks, row = 40, 8, 6, 132
+@pytest.mark.parametrize("compress_ratio,mx_scale,block", [
+    (1, False, 8), (2, False, 8), (2, True, 8), (1, False, ODD_PAGES[2])])
+def test_indexer_k_store_matches_upstream(up, compress_ratio, mx_scale, block, device):
+    gen = torch.Generator().manual_seed(100 + compress_ratio + mx_scale + block)
+    n, nblocks, row = 40, 6, rec.INDEX_RECORD_BYTES
     k_pre = _edge_rows(n, 128, gen).to(torch.bfloat16)
     weight = (1 + 0.1 * torch.randn(128, generator=gen)).to(torch.bfloat16)
     positions = torch.randint(0, 100, (n,), generator=gen, dtype=torch.int64)
-    positions[:6] = torch.arange(6) * compress_ratio + compress_ratio - 1
+    positions[:12] = torch.arange(12) * compress_ratio + compress_ratio - 1
     slots = torch.randperm(nblocks * block, generator=gen)[:n].to(torch.int64)
     slots[4] = -1
+    slots, up_slots = _with_invalid_slots(slots, nblocks * block, range(6, 12))
     cos_sin = _cos_sin(128, 64, gen)
     eps = 1e-6
     base = torch.randint(0, 256, (nblocks, block, row), generator=gen, dtype=torch.uint8)
-    k_pre, weight, positions, slots, cos_sin, base = _on(device, k_pre, weight, positions, slots,
-                                                         cos_sin, base)
+    k_pre, weight, positions, slots, up_slots, cos_sin, base = _on(
+        device, k_pre, weight, positions, slots, up_slots, cos_sin, base)
 
     ref = base.clone()
     up["v41_indexer_k_store"]._indexer_k_norm_rope_quant_store_kernel[(n,)](
-        k_pre, k_pre.stride(0), positions, weight, eps, cos_sin, cos_sin.stride(0), ref, slots,
+        k_pre, k_pre.stride(0), positions, weight, eps, cos_sin, cos_sin.stride(0), ref, up_slots,
         ref.shape[1], HEAD_SIZE=128, ROPE_HEAD_DIM=64, COMPRESS_RATIO=compress_ratio,
         TOKEN_STRIDE=128, SCALE_DIM=4, KV_BLOCK_STRIDE=ref.stride(0), FP8_MAX=448.0,
         USE_FP4=False, MX_SCALE=mx_scale, SHUFFLE=False, BLOCK_TILE_SIZE=16, HEAD_TILE_SIZE=16,

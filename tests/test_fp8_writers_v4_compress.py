@@ -37,11 +37,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from edges import INT32_MAX, INT32_MIN, ODD_PAGES, invalid_slots
 from vllm.deepinfer import kv_record as rec
 from vllm.deepinfer.kernels import fp8_writers_v4_compress as v4c
 
 H512, H128, ROPE = 512, 128, 64
-ROW512, ROW128 = rec.RECORD_BYTES, H128 + 4
+ROW512, ROW128 = rec.RECORD_BYTES, rec.INDEX_RECORD_BYTES
 
 
 def _has_fp8(device) -> bool:
@@ -123,6 +124,16 @@ def _scenario(head: int, cr: int, overlap: bool, state_block: int, kv_block: int
     boundary = [i for i, p in enumerate(tok_pos) if (p + 1) % cr == 0]
     state_slots[boundary[1]] = -1
     kv_slots[boundary[2]] = -1
+    up_kv_slots = kv_slots.clone()
+    if layout == "mixed":
+        # The int32 extremes and the first slot past the cache (tests/edges.py). A state slot
+        # only marks padding (< 0: skip), so INT32_MAX there writes like any other slot; a
+        # cache slot past the cache is skipped by ours, where upstream, given -1 there
+        # instead, would write out of bounds.
+        state_slots[boundary[0]] = INT32_MAX
+        state_slots[next(i for i, p in enumerate(tok_pos) if (p + 1) % cr)] = INT32_MIN
+        for b, bad in zip(boundary[3:], invalid_slots(kv_pages * kv_block)[1:]):
+            kv_slots[b], up_kv_slots[b] = bad, -1
 
     row_bytes = ROW512 if head == H512 else ROW128
     page_bytes = kv_block * row_bytes + 64
@@ -133,7 +144,7 @@ def _scenario(head: int, cr: int, overlap: bool, state_block: int, kv_block: int
         positions=torch.tensor(tok_pos, dtype=torch.int64),
         token_to_req=torch.tensor(tok_req, dtype=torch.int32),
         state=state, backing=backing, block_table=block_table, state_slots=state_slots,
-        kv_slots=kv_slots, cache_base=cache_base, row_bytes=row_bytes,
+        kv_slots=kv_slots, up_kv_slots=up_kv_slots, cache_base=cache_base, row_bytes=row_bytes,
         pages=lambda b: b.as_strided((kv_pages, kv_block, row_bytes), (page_bytes, row_bytes, 1)),
         cos_sin=torch.cat([ang.cos(), ang.sin()], dim=1).contiguous(),
         weight=(1 + 0.25 * torch.randn(head, generator=gen)).to(torch.bfloat16),
@@ -146,7 +157,7 @@ def _to(s: SimpleNamespace, device) -> SimpleNamespace:
     s.backing = s.backing.to(device)
     s.state = s.backing.as_strided(tuple(s.state.shape), (pad, s.state.shape[2], 1))
     for k in ("positions", "token_to_req", "block_table", "state_slots", "kv_slots",
-              "cache_base", "cos_sin", "weight"):
+              "up_kv_slots", "cache_base", "cos_sin", "weight"):
         setattr(s, k, getattr(s, k).to(device))
     return s
 
@@ -169,7 +180,7 @@ def _run_upstream(up, s) -> torch.Tensor:
     cache = s.pages(out)
     args = (s.state, s.state.stride(0), s.state.stride(1), s.token_to_req, s.positions,
             s.state_slots, s.block_table, s.block_table.stride(0), s.state_block, s.weight, s.eps,
-            s.cos_sin, s.cos_sin.stride(0), cache, s.kv_slots, cache.shape[1])
+            s.cos_sin, s.cos_sin.stride(0), cache, s.up_kv_slots, cache.shape[1])
     common = dict(HEAD_SIZE=s.head, TRITON_BLOCK_SIZE=s.head, STATE_WIDTH=s.state.shape[2] // 2,
                   COMPRESS_RATIO=s.cr, OVERLAP=s.overlap, ROPE_HEAD_DIM=ROPE, FP8_MAX=448.0,
                   KV_BLOCK_STRIDE=cache.stride(0))
@@ -349,7 +360,7 @@ def _check_edges(scaled: torch.Tensor, head: int) -> None:
 # cache pages) and c128a (no overlap, 8-row pages, 2-entry pages), plus page sizes that do
 # not divide the window, single-entry pages and ratio 4 without overlap.
 SPARSE_CASES = [(4, True, 4, 64), (4, True, 3, 1), (4, False, 5, 16), (128, False, 8, 2),
-                (128, False, 5, 1)]
+                (128, False, 5, 1), (4, True, ODD_PAGES[0], ODD_PAGES[2])]
 
 
 @pytest.mark.parametrize("cr,overlap,state_block,kv_block", SPARSE_CASES,
@@ -367,7 +378,7 @@ def test_sparse_attn_matches_upstream(up, device, cr, overlap, state_block, kv_b
 
 
 @pytest.mark.parametrize("mx_scale", [False, True])
-@pytest.mark.parametrize("state_block,kv_block", [(4, 64), (3, 2)])
+@pytest.mark.parametrize("state_block,kv_block", [(4, 64), (3, ODD_PAGES[0]), (5, ODD_PAGES[1])])
 def test_indexer_matches_upstream(up, device, mx_scale, state_block, kv_block):
     s = _to(_scenario(H128, 4, True, state_block, kv_block, seed=50 + state_block + mx_scale), device)
     s.mx_scale = mx_scale

@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edges import ODD_PAGES
+from vllm.deepinfer import kv_record
 from vllm.deepinfer.kernels import indexer_logits as il
+from vllm.deepinfer.kernels import shapes
 
 D = il.HEAD_DIM
 # Variants with a software decode (what sm80/sm86 run) everywhere; hardware e4m3 on a GPU.
@@ -47,10 +50,15 @@ def _close(got, ref):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("heads,next_n,per_row,block_size,page_pad", [
-    (64, 1, False, 64, 0),
+    (shapes.V41.index_heads, 1, False, 64, 0),
     (16, 1, False, 128, 64),     # page stride larger than a page (padded pages)
     (8, 2, False, 64, 0),        # heads padded to 16 in the dot; two rows per request
     (16, 2, True, 64, 0),        # per-row context lengths [B, next_n]
+    # Pages that are not powers of two (a runtime block size), page strides that are not
+    # 16-byte multiples; scales stay 4-byte aligned as the cache's fp32 layout requires.
+    (16, 1, False, ODD_PAGES[0], 4),
+    (8, 2, False, ODD_PAGES[1], 12),
+    (16, 2, True, ODD_PAGES[2], 0),
 ])
 def test_paged(device, variant, heads, next_n, per_row, block_size, page_pad):
     gen = torch.Generator().manual_seed(heads * 10 + next_n + block_size)
@@ -58,29 +66,23 @@ def test_paged(device, variant, heads, next_n, per_row, block_size, page_pad):
     B = len(lens)
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     max_blocks = max(-(-n // block_size) for n in lens) + 1
-    flat = _codes((num_blocks * (block_size * (D + 4) + page_pad),), gen, "cpu")
-    page_bytes = block_size * (D + 4) + page_pad
+    page_bytes = block_size * kv_record.INDEX_RECORD_BYTES + page_pad
+    flat = _codes((num_blocks * page_bytes,), gen, "cpu")
+    cache = flat.as_strided((num_blocks, block_size, kv_record.INDEX_RECORD_BYTES),
+                            (page_bytes, kv_record.INDEX_RECORD_BYTES, 1))
     table = torch.zeros(B, max_blocks, dtype=torch.int32)
     perm = torch.randperm(num_blocks, generator=gen)
     keys, scales, used = [], [], 0
     for b, n in enumerate(lens):
-        kb = _codes((n, D), gen, "cpu")
-        sc = torch.exp2(torch.randint(-12, 4, (n,), generator=gen).to(torch.float32))
-        keys.append(kb)
-        scales.append(sc)
-        for j in range(-(-n // block_size)):
-            p = int(perm[used])
-            used += 1
-            table[b, j] = p
-            m = min(block_size, n - j * block_size)
-            base = p * page_bytes
-            for o in range(m):
-                i = j * block_size + o
-                flat[base + o * D: base + (o + 1) * D] = kb[i]
-                flat[base + block_size * D + 4 * o: base + block_size * D + 4 * o + 4] = (
-                    sc[i:i + 1].view(torch.uint8))
-    cache = torch.as_strided(flat.to(device), (num_blocks, block_size, D + 4),
-                             (page_bytes, D + 4, 1))
+        keys.append(_codes((n, D), gen, "cpu"))
+        scales.append(torch.exp2(torch.randint(-12, 4, (n,), generator=gen).to(torch.float32)))
+        pages = -(-n // block_size)
+        table[b, :pages] = perm[used:used + pages].to(torch.int32)
+        used += pages
+        i = torch.arange(n)
+        kv_record.write_index_rows(cache, table[b, i // block_size].long() * block_size
+                                   + i % block_size, keys[b], scales[b])
+    cache = flat.to(device).as_strided(cache.shape, cache.stride())
     q = _codes((B, next_n, heads, D), gen, device)
     w = torch.randn(B * next_n, heads, generator=gen).to(device)
     if per_row:

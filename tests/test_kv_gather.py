@@ -31,6 +31,7 @@ import os
 import pytest
 import torch
 
+from edges import ODD_PAGES
 from vllm.deepinfer import kv_record as kr
 from vllm.deepinfer.kernels import kv_gather as kg
 
@@ -66,11 +67,11 @@ def make_cache(gen, num_blocks, bs, device, *, page_pad=0, scale_lo=100, scale_h
 def code_table_cache(bs=64, ntok=37):
     """Every e4m3 code in every token, every scale byte 0..255 across the 37 * 7 = 259 groups."""
     cache = kr.new_cache(1, bs)
-    flat = cache.view(1, -1)
-    for t in range(ntok):
-        flat[0, t * 576:t * 576 + 448] = (torch.arange(448) + 13 * t) % 256
-        flat[0, t * 576 + 448:(t + 1) * 576] = (torch.arange(128) * 7 + t) % 256
-        flat[0, bs * 576 + t * 8:bs * 576 + t * 8 + 7] = (torch.arange(7) + 7 * t) % 256
+    data, scales = kr.record_views(cache)
+    t = torch.arange(ntok)[:, None]
+    data[0, :ntok, :kr.NOPE_DIM] = (torch.arange(kr.NOPE_DIM) + 13 * t) % 256
+    data[0, :ntok, kr.NOPE_DIM:] = (torch.arange(2 * kr.ROPE_DIM) * 7 + t) % 256
+    scales[0, :ntok, :kr.NUM_SCALES] = (torch.arange(kr.NUM_SCALES) + 7 * t) % 256
     return cache
 
 
@@ -81,18 +82,12 @@ def slots_of(seq_len, gather_len, block_row, bs):
 
 def reference(cache, slots):
     """(bf16 bits [n, 512] int16, fp32 NoPE products [n, 448], scale byte per NoPE value)."""
-    cache = cache.cpu()
-    f = kr.read_rows(cache, slots)
+    rec = kr.read_records(cache.cpu(), slots)
+    f = kr.dequantize_records(rec)
     bits = f.to(torch.bfloat16).view(torch.int16)
-    bs = cache.shape[1]
-    flat = cache.as_strided((cache.shape[0], bs * kr.RECORD_BYTES), (cache.stride(0), 1))
-    sbytes = torch.empty(len(slots), kr.NOPE_DIM, dtype=torch.uint8)
-    for j, s in enumerate(slots.tolist()):
-        b, i = divmod(s, bs)
-        raw = flat[b, i * kr.DATA_BYTES + kr.NOPE_DIM:(i + 1) * kr.DATA_BYTES]
-        bits[j, kr.NOPE_DIM:] = raw.contiguous().view(torch.int16)
-        sc = flat[b, bs * kr.DATA_BYTES + i * kr.SCALE_BYTES:][:7]
-        sbytes[j] = sc.repeat_interleave(64)
+    bits[:, kr.NOPE_DIM:] = rec[:, kr.NOPE_DIM:kr.DATA_BYTES].contiguous().view(torch.int16)
+    sbytes = rec[:, kr.DATA_BYTES:kr.DATA_BYTES + kr.NUM_SCALES].repeat_interleave(
+        kr.QUANT_BLOCK, 1)
     return bits, f[:, :kr.NOPE_DIM], sbytes
 
 
@@ -133,10 +128,10 @@ def run_upstream(upstream, out, k_cache, seq_lens, gather_lens, block_table, blo
     workers = 128 if max_gather_len is None else max(128, min(8192, -(-max_gather_len // 8)))
     up._dequantize_and_gather_k_kernel[(seq_lens.shape[0], workers)](
         out, out.stride(0), out.stride(1), k_cache, seq_lens, block_table, offset, gather_lens,
-        max_blocks_per_seq=block_table.shape[-1], fp8_dim=448, bf16_dim=64, scale_dim=8,
-        quant_block=64, cache_block_size=block_size, token_data_size=576,
-        block_stride=k_cache.stride(0), output_dim=512, fp8_max=448.0, n_quant_blocks=7,
-        use_fnuz=False)
+        max_blocks_per_seq=block_table.shape[-1], fp8_dim=kr.NOPE_DIM, bf16_dim=kr.ROPE_DIM,
+        scale_dim=kr.SCALE_BYTES, quant_block=kr.QUANT_BLOCK, cache_block_size=block_size,
+        token_data_size=kr.DATA_BYTES, block_stride=k_cache.stride(0), output_dim=kr.HEAD_DIM,
+        fp8_max=kr.FP8_MAX, n_quant_blocks=kr.NUM_SCALES, use_fnuz=False)
 
 
 def i32(values, device):
@@ -246,15 +241,40 @@ def test_every_code_and_scale_byte(monkeypatch, upstream, device, decode):
     run_upstream(upstream, ref, cache, seq, None, bt, bs, 0)
     if decode == "hw" and interpreted():  # fp8e4nv reads NaN codes as +-480 (module doc)
         want, f32, _ = reference(cache, slots)
-        nope = cache.cpu().view(-1)[:bs * 576].view(bs, 576)[:ntok, :448]
+        nope = kr.read_records(cache.cpu(), slots)[:, :kr.NOPE_DIM]
         nan_code = (nope & 0x7F) == 0x7F
         ok = ~nan_code & ~f32.isnan() & comparable(f32)
         got = out[0].cpu().view(torch.int16)
-        assert torch.equal(got[:, :448][ok], want[:, :448][ok])
-        assert torch.equal(got[:, 448:], want[:, 448:])
+        assert torch.equal(got[:, :kr.NOPE_DIM][ok], want[:, :kr.NOPE_DIM][ok])
+        assert torch.equal(got[:, kr.NOPE_DIM:], want[:, kr.NOPE_DIM:])
     else:
         assert_matches_reference(out[0], cache, slots)
     assert_matches_upstream(out[0], ref[0], cache, slots)
+
+
+@pytest.mark.parametrize("bs", ODD_PAGES)
+def test_odd_page_sizes(upstream, device, bs):
+    """Pages that are not powers of two (the kernel divides positions by a runtime block
+    size) with a page stride that is not a multiple of 16: gathers that start mid-page and
+    cross several pages, against torch and upstream."""
+    gen = torch.Generator().manual_seed(bs)
+    seq_lens = [bs + 40, 3 * bs + 1]
+    blocks = -(-max(seq_lens) // bs)
+    nb = blocks + 3
+    cache = make_cache(gen, nb, bs, device, page_pad=5, nan_codes=False)
+    assert cache.stride(0) % 16 != 0
+    seq = i32(seq_lens, device)
+    gl = i32([bs + 5, 2 * bs], device)
+    bt = torch.stack([torch.randperm(nb, generator=gen)[:blocks] for _ in range(2)])
+    bt = bt.to(torch.int32).to(device)
+    out = torch.zeros(2, 2 * bs + 8, 512, dtype=torch.bfloat16, device=device)
+    ref = torch.zeros_like(out)
+    kg.dequantize_and_gather_k_cache(out, cache, seq, gl, bt, bs, 3, variant="sm80")
+    run_upstream(upstream, ref, cache, seq, gl, bt, bs, 3)
+    assert torch.equal(out.cpu().view(torch.int16), ref.cpu().view(torch.int16))
+    for b in range(2):
+        n = int(gl[b])
+        assert_matches_reference(out[b, 3:3 + n], cache, slots_of(int(seq[b]), n, bt[b], bs))
 
 
 def test_many_requests_split_across_launches(device):
@@ -322,14 +342,29 @@ def test_validation_names_the_tensor(over, name):
         kg.dequantize_and_gather_k_cache(**_args(**over), variant="sm80")
 
 
-def test_fast_check_accepts_valid_inputs():
-    # The per-call check (_inputs_ok) must pass good inputs, or every call pays for the
-    # detailed messages path; it must reject each bad case of the table above (else that
-    # test would not raise).
-    assert kg._inputs_ok(**_args())
-    assert kg._inputs_ok(**_args(gather_lens=torch.tensor([8], dtype=torch.int32), offset=8))
-    assert not kg._inputs_ok(**_args(k_cache=torch.zeros(2, 64, 528, dtype=torch.uint8)))
-    assert not kg._inputs_ok(**_args(out=None))
+def test_checks_accept_valid_inputs():
+    # The per-call checks pass good inputs (a gather_lens tensor, an offset at the end of the
+    # output) and reject a wrong record width and a missing tensor.
+    kg._check_inputs(**_args())
+    kg._check_inputs(**_args(gather_lens=torch.tensor([8], dtype=torch.int32), offset=8))
+    with pytest.raises(ValueError, match="^k_cache: "):
+        kg._check_inputs(**_args(k_cache=torch.zeros(2, 64, 528, dtype=torch.uint8)))
+    with pytest.raises(ValueError, match="^out: expected a torch.Tensor"):
+        kg._check_inputs(**_args(out=None))
+
+
+def test_benchmark_tile_rows_are_variants(monkeypatch, device):
+    """A row added to TILES under its own name (the suite's sm80-int / sm80-e4b15 rows) runs
+    by that name and gives the sm80 row's bytes."""
+    monkeypatch.setitem(kg.TILES, "sm80-int", dataclasses.replace(kg.TILES["sm80"], decode="int"))
+    cache = make_cache(torch.Generator().manual_seed(2), 2, 64, device, nan_codes=False)
+    outs = []
+    for v in ("sm80", "sm80-int"):
+        outs.append(torch.zeros(1, 9, 512, dtype=torch.bfloat16, device=device))
+        kg.dequantize_and_gather_k_cache(outs[-1], cache, i32([9], device), None,
+                                         i32([[1]], device), 64, 0, variant=v)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert outs[0].view(torch.int16).ne(0).any()
 
 
 def test_fnuz_and_unknown_variant():

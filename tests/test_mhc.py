@@ -13,10 +13,36 @@ from pathlib import Path
 import pytest
 
 from vllm.deepinfer import envs, mhc, routing
-from test_vllm_import import REQUIRE, _probe_env, _unavailable
+from test_vllm_import import REQUIRE, _unavailable
+from test_vllm_import import _probe_env as _base_probe_env
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).with_name("mhc_vllm_probe.py")
+
+
+def _probe_env() -> dict[str, str]:
+    """The probes test the Ampere geometry and tensor-core projection as designed: with the
+    (default-off, unmeasured) mhc_tuned feature on."""
+    return dict(_base_probe_env(), DEEPINFER_MHC_TUNED="1")
+
+
+@pytest.fixture(autouse=True)
+def _tuned_on(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_MHC_TUNED", "1")
+    routing.reset()
+    yield
+    routing.reset()
+
+
+def test_tuned_paths_are_off_by_default(monkeypatch):
+    """Until measured on a GPU, the Ampere geometry and the tensor-core projection stay
+    upstream's (the first-layer fix without DeepGEMM stays on)."""
+    monkeypatch.delenv("DEEPINFER_MHC_TUNED")
+    monkeypatch.setenv("DEEPINFER_ARCH", "sm80")
+    routing.reset()
+    assert not any(envs.enabled("mhc_tuned", v) for v in envs.FEATURES["mhc"].default_on)
+    assert mhc.fused_post_pre_config(6, 5120, 4) is mhc.UPSTREAM
+    assert not mhc.projection_on_tc(8192, 5120, 24, False)
 
 
 @pytest.fixture

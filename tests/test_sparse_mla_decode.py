@@ -1,7 +1,7 @@
 """Unified 512-dim sparse MLA decode (vllm.deepinfer.kernels.sparse_mla_decode).
 
-Reference: an fp32 torch computation over kv_record.read_rows (NaN key entries zeroed as
-upstream does, sink logit in the softmax denominator, inverse GPT-J RoPE of dims 448..511
+Reference: an fp32 torch computation over kv_record.read_rows (the package's one record
+reader; NaN key entries zeroed as upstream does, sink logit in the softmax denominator, inverse GPT-J RoPE of dims 448..511
 when asked). Tolerance, per output element: |ours - ref| <= TOL_ABS + TOL_REL * sum_k p_k |v_k|
 (the magnitude of the terms the element sums; >= |ref|). Under the interpreter the kernel
 computes in fp32 (DOT_FP32) and only the bf16 output store rounds (the interpreter truncates:
@@ -17,11 +17,12 @@ import math
 import pytest
 import torch
 
+from edges import INT32_MAX, INT32_MIN, ODD_PAGES, invalid_slots
 from vllm.deepinfer import kv_record
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
 
 H = 16
-NOPE, ROPE, D = 448, 64, 512
+NOPE, ROPE, D = kv_record.NOPE_DIM, kv_record.ROPE_DIM, kv_record.HEAD_DIM
 TOL_ABS, TOL_REL = 1e-3, 1e-2
 # The two code paths: software e4m3 decode (sm80 = cpu tile) and hardware cvt (sm90 tile).
 VARIANTS = ["sm80", "sm90"]
@@ -82,9 +83,8 @@ def reference(q, main_cache, main_idx, main_ptr, scale, sink, extra_cache=None, 
             s = idx[int(ptr[t]):int(ptr[t + 1])].long()
             s = s[(s >= 0) & (s < cache.shape[0] * cache.shape[1])]
             if len(s):
-                rows.append(kv_record.read_rows(cache, s))
+                rows.append(kv_record.read_rows(cache, s, scrub_nan=True))
         k = torch.cat(rows) if rows else torch.zeros(0, D)
-        k = torch.where(torch.isnan(k), torch.zeros_like(k), k)
         logits = (q[t] @ k.T) * scale
         if sink is not None:
             logits = torch.cat([logits, sink.cpu().float()[:, None]], dim=1)
@@ -122,11 +122,12 @@ def setup(device, seed, *, main_lens, extra_lens=None, main_bs=32, extra_bs=64, 
 
     def lists(lens, nrows):
         out = []
+        bad_values = torch.tensor(invalid_slots(nrows))
         for n in lens:
             s = torch.randint(0, nrows, (n,), generator=gen)
             bad = torch.rand(n, generator=gen) < invalid
-            s[bad] = torch.where(torch.rand(int(bad.sum()), generator=gen) < 0.5,
-                                 torch.tensor(-1), torch.tensor(nrows + 3))
+            s[bad] = bad_values[torch.randint(0, len(bad_values), (int(bad.sum()),),
+                                              generator=gen)]
             out.append(s.tolist())
         return out
 
@@ -182,6 +183,23 @@ def test_swa_plus_topk_invalid_entries(device, variant, splits, inv_rope):
     ours, ref = run_both(q, mc, mi, mp, sink, ex, variant=variant, splits=splits,
                          inv_rope=inv_rope, device=device)
     assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("main_bs,extra_bs", [(ODD_PAGES[0], ODD_PAGES[1]),
+                                               (ODD_PAGES[2], ODD_PAGES[0])])
+def test_odd_page_sizes_and_extreme_slots(device, main_bs, extra_bs):
+    # Pages that are not powers of two (general division of the slot) with page strides that
+    # are not 16-byte multiples, and every invalid slot value (INT32_MIN, INT32_MAX, the
+    # first slots past the cache, -1) in both lists; split and unsplit.
+    q, mc, mi, mp, sink, ex = setup(device, 13, main_lens=[9, 26], extra_lens=[31, 4],
+                                    main_bs=main_bs, extra_bs=extra_bs, main_blocks=3,
+                                    extra_blocks=2, invalid=0.35)
+    for lst in (mi, ex["extra_indices"]):  # both extremes in each list, whatever was drawn
+        lst[2], lst[5] = INT32_MIN, INT32_MAX
+    for splits in (1, 2):
+        ours, ref = run_both(q, mc, mi, mp, sink, ex, variant="sm80", splits=splits,
+                             inv_rope=splits == 2, device=device)
+        assert_close(ours, ref)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

@@ -67,12 +67,18 @@ def test_sdist_checksum_mismatch_same_size(tmp_path, monkeypatch):
         upstream.verify_sdist(fake)
 
 
-def test_fetch_from_tree_wrong_version_writes_nothing(tmp_path, mini_tree):
-    (mini_tree / "vllm/_version.py").write_text("__version__ = version = '0.32.1'\n")
+def test_fetch_from_tree_identified_by_content(tmp_path, mini_tree, record, capsys):
+    rel = sorted(record["files"])[0]
+    (mini_tree / rel).write_text((mini_tree / rel).read_text() + "# edited\n")
     dest = tmp_path / "dest"
-    with pytest.raises(ToolError, match="0.32.1, expected 0.33.0"):
+    with pytest.raises(ToolError, match="not vLLM 0.33.0 by content: " + rel.replace(".", r"\.")):
         upstream.fetch(None, mini_tree, dest, force=False)
     assert not dest.exists()
+    shutil.copy2(PRISTINE / rel, mini_tree / rel)
+    (mini_tree / "vllm/_version.py").unlink()  # a git checkout: no _version.py
+    upstream.fetch(None, mini_tree, dest, force=False)
+    assert "has no vllm/_version.py, but all" in capsys.readouterr().err
+    assert (dest / rel).read_bytes() == (PRISTINE / rel).read_bytes()
 
 
 def test_fetch_from_tree_then_dirty_target_refused(tmp_path, mini_tree):
@@ -137,7 +143,7 @@ def test_apply_all_then_refuse_second_time(mini_tree, record):
     assert all(after[f] != before[f] for f in record["files"])
     assert (mini_tree / "vllm/deepinfer/routing.py").is_file()
     assert set(record["files"]) <= set(changed)
-    with pytest.raises(ToolError, match="already patched or edited"):
+    with pytest.raises(ToolError, match="patched already"):
         patchset.apply_series(mini_tree)
     assert snapshot(mini_tree) == after
 
@@ -148,10 +154,12 @@ def test_apply_dry_run_changes_nothing(mini_tree):
     assert snapshot(mini_tree) == before
 
 
-def test_apply_refuses_wrong_version(mini_tree):
-    (mini_tree / "vllm/_version.py").write_text("__version__ = version = '0.34.0'\n")
+def test_apply_refuses_edited_file_whatever_the_version_says(mini_tree, record):
+    rel = sorted(record["files"])[3]
+    with open(mini_tree / rel, "a") as f:
+        f.write("# edited\n")
     before = snapshot(mini_tree)
-    with pytest.raises(ToolError, match="holds vLLM 0.34.0; this series is for 0.33.0"):
+    with pytest.raises(ToolError, match="says vLLM 0.33.0.*not vLLM 0.33.0 by content"):
         patchset.apply_series(mini_tree)
     assert snapshot(mini_tree) == before
 
@@ -243,17 +251,21 @@ def test_install_dry_run_install_restore(built_overlay, site_vllm):
     plan = install_overlay.install(site_vllm, built_overlay)
     assert {s["action"] for s in plan} == {"add", "replace"}
     assert (site_vllm / "deepinfer/__init__.py").is_file()
-    with pytest.raises(ToolError, match="installed already"):
-        install_overlay.install(site_vllm, built_overlay)
+    installed = snapshot(site_vllm)
+    assert install_overlay.install(site_vllm, built_overlay) == []  # same overlay: nothing to do
+    assert snapshot(site_vllm) == installed
     install_overlay.restore(site_vllm)
     assert snapshot(site_vllm) == before
     assert not (site_vllm / "deepinfer").exists()
 
 
-def test_install_refuses_wrong_version(built_overlay, site_vllm):
-    (site_vllm / "_version.py").write_text("__version__ = version = '0.32.0'\n")
+def test_install_refuses_wrong_files_whatever_the_version_says(built_overlay, site_vllm, record):
+    rel = sorted(record["files"])[0][len("vllm/"):]
+    with open(site_vllm / rel, "a") as f:
+        f.write("# another release\n")
+    (site_vllm / "_version.py").write_text("__version__ = version = '0.33.0'\n")
     before = snapshot(site_vllm)
-    with pytest.raises(ToolError, match="is vLLM 0.32.0; the overlay is for 0.33.0"):
+    with pytest.raises(ToolError, match="says vLLM 0.33.0.*not vLLM 0.33.0 by content"):
         install_overlay.install(site_vllm, built_overlay)
     assert snapshot(site_vllm) == before
 
@@ -268,12 +280,20 @@ def test_install_refuses_modified_file(built_overlay, site_vllm, record):
     assert snapshot(site_vllm) == before
 
 
-def test_install_rolls_back_on_failure(built_overlay, site_vllm):
+def test_install_rolls_back_on_failure(built_overlay, site_vllm, monkeypatch):
     before = snapshot(site_vllm)
-    with pytest.raises(ToolError, match="injected"):
-        install_overlay.install(site_vllm, built_overlay, _fail_after=3)
+    calls = []
+
+    def fail_midway(label):
+        calls.append(label)
+        if len(calls) == 12:
+            raise OSError(28, "No space left on device (injected)")
+    monkeypatch.setattr(install_overlay, "_checkpoint", fail_midway)
+    with pytest.raises(ToolError, match="No space left.*rolled back"):
+        install_overlay.install(site_vllm, built_overlay)
     assert snapshot(site_vllm) == before
     assert not (site_vllm / install_overlay.BACKUP).exists()
+    assert not (site_vllm / install_overlay.JOURNAL).exists()
 
 
 def test_install_refuses_tampered_overlay(built_overlay, site_vllm):

@@ -17,9 +17,13 @@ import importlib
 import pytest
 import torch
 
+from edges import invalid_slots
+from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.kernels import topk_swa as ts
 
 WORKERS = 4
+# V4 layer kinds with a compressed cache: (ratio, top-k) of the production shapes.
+V4_COMPRESSED = [(s.ratio, s.topk) for s in shapes.PRODUCTION if s.model is shapes.V4 and s.ratio]
 
 
 def _pow2(n):
@@ -70,7 +74,8 @@ def make_batch(gen, device, window, topk_width, N, *, q_base=7, invalid=True, sh
     """A ragged prefill chunk: a request starting from position 0 (before the first
     compression boundary), a continuation with full context, an empty request, a request whose
     gathered range is shorter than the window, and a long-context one. query_start_loc does
-    not start at 0. Top-k entries include -1 and values >= N when ``invalid``."""
+    not start at 0. Top-k entries include -1, values >= N and the int32 extremes when
+    ``invalid`` (tests/edges.py)."""
     q_lens = [12, 9, 0, 7, 5]
     seq = [12, 400, 50, 300, 5000]
     gl = [12, 400, 50, (window // 3 + 2) if short_gather else 300, 5000]
@@ -82,6 +87,9 @@ def make_batch(gen, device, window, topk_width, N, *, q_base=7, invalid=True, sh
         tk[torch.rand(T, topk_width, generator=gen) < 0.1] = -1
         big = torch.rand(T, topk_width, generator=gen) < 0.05
         tk[big] = N + torch.randint(0, 1000, (int(big.sum()),), dtype=torch.int32, generator=gen)
+        bad = torch.tensor(invalid_slots(N), dtype=torch.int32)
+        for t in range(T):  # every invalid value in every row, at random columns
+            tk[t, torch.randperm(topk_width, generator=gen)[:len(bad)]] = bad
     return tuple(t.to(device) for t in (tk, qsl, torch.tensor(seq, dtype=torch.int32),
                                         torch.tensor(gl, dtype=torch.int32)))
 
@@ -94,7 +102,7 @@ def assert_same(ours, ref):
 
 
 # --------------------------------------------------------------------------- V4.1
-@pytest.mark.parametrize("ratio", [0, 1, 2])
+@pytest.mark.parametrize("ratio", shapes.V41.ratios)
 @pytest.mark.parametrize("window", [64, 128, 256])
 def test_v41_matches_upstream(upstream, device, ratio, window):
     gen = torch.Generator().manual_seed(ratio * 1000 + window)
@@ -171,7 +179,7 @@ def test_negative_positions_give_empty_rows(upstream, device):
 
 
 # --------------------------------------------------------------------------- V4
-@pytest.mark.parametrize("ratio,topk", [(4, 512), (128, 8192)])
+@pytest.mark.parametrize("ratio,topk", V4_COMPRESSED)
 def test_v4_matches_rocm_kernel(upstream, device, ratio, topk):
     gen = torch.Generator().manual_seed(ratio)
     N, M = 40, 8200
@@ -180,7 +188,7 @@ def test_v4_matches_rocm_kernel(upstream, device, ratio, topk):
     assert_same(ts.combine_topk_swa_indices(tk, qsl, seq, gl, 128, ratio, topk, M, N), ref)
 
 
-@pytest.mark.parametrize("ratio,topk", [(4, 512), (128, 8192)])
+@pytest.mark.parametrize("ratio,topk", V4_COMPRESSED)
 def test_v4_matches_cuda_kernel_where_semantics_agree(upstream, device, ratio, topk):
     gen = torch.Generator().manual_seed(ratio + 1)
     N, M = 1300, 8200
@@ -235,14 +243,16 @@ def test_validation_names_the_tensor(over, name):
         ts.combine_topk_swa_indices(**_args(**over))
 
 
-def test_fast_check_accepts_valid_inputs():
-    # The per-call check must pass good inputs (else every call takes the slow message path)
-    # and reject the bad cases above (else those tests would not raise).
+def test_checks_accept_valid_inputs():
+    # The per-call checks pass good inputs, with and without a workspace, and reject a
+    # workspace of the wrong width and a top-k wider than its buffer.
     ws = (torch.zeros(4, 640, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
-    assert ts._inputs_ok(**_args(), out=None, width=640)
-    assert ts._inputs_ok(**_args(), out=ws, width=640)
-    assert not ts._inputs_ok(**_args(), out=(ws[0][:, :512], ws[1]), width=640)
-    assert not ts._inputs_ok(**_args(topk=513), out=None, width=640)
+    ts._check_inputs(**_args(), out=None, width=640)
+    ts._check_inputs(**_args(), out=ws, width=640)
+    with pytest.raises(ValueError, match=r"^out\[0\] \(combined_indices\): "):
+        ts._check_inputs(**_args(), out=(ws[0][:, :512], ws[1]), width=640)
+    with pytest.raises(ValueError, match="^topk: 513 is negative or wider"):
+        ts._check_inputs(**_args(topk=513), out=None, width=640)
 
 
 def test_empty_batch_returns_shaped_outputs():
@@ -255,9 +265,10 @@ def test_compile_keys():
     from vllm.deepinfer import compile_gate
     specs = {(tuple(sorted(s.constexprs.items())), s.num_warps) for s in compile_gate.specs()
              if s.kernel is ts._combine_kernel}
-    v41 = ts.compile_keys(128, [0, 1, 2], 512, variant="sm80")
+    v41, v4, c128a = shapes.V41, shapes.V4, shapes.by_name("v4.c128a")
+    v41 = ts.compile_keys(v41.window, v41.ratios, v41.topk, variant="sm80")
     assert [k.BLOCK for k in v41] == [128, 512]           # widths 128 and 640
-    v4 = ts.compile_keys(128, [0, 4, 128], 8192, variant="sm90")
+    v4 = ts.compile_keys(v4.window, v4.ratios, c128a.topk, variant="sm90")
     assert [k.BLOCK for k in v4] == [128, 256, 512, 1024]  # C128A widths 256 .. 8320
     assert [k.VEC for k in ts.compile_keys(128, [1], 510, variant="sm90")] == [1]
     for k in v41 + v4:

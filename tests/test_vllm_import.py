@@ -3,7 +3,8 @@ DeepSeek-V4.1/V4 (patches 0004/0005 + vllm.deepinfer.attention.selector) and the
 classes (vllm.deepinfer.attention.ampere_v41 / ampere_v4).
 
 vLLM is never imported into this pytest process. Each scenario of tests/vllm_import_probe.py
-runs once per test session in a subprocess with ``CUDA_VISIBLE_DEVICES=""`` and
+(its ``SCENARIOS``: top-level ``scenario_*`` functions, which ``test_probe_scenario_runs``
+parametrizes over) runs once per test session in a subprocess with ``CUDA_VISIBLE_DEVICES=""`` and
 ``PYTHONPATH=build/patched`` (the pristine sdist with the series applied and our package
 copied in as ``vllm/deepinfer``; ``make patched`` builds it), and the tests read its JSON.
 Under pytest-xdist the workers share one run per scenario (a file lock + cache keyed by
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+import vllm_import_probe
 from vllm.deepinfer import envs
 from vllm.deepinfer.attention import selector
 
@@ -105,6 +107,7 @@ def _run_probe(scenario: str) -> dict:
 
 def _probe(scenario: str) -> dict:
     """One probe run per test session, shared by the xdist workers."""
+    assert scenario in vllm_import_probe.SCENARIOS, scenario
     _need_tree()
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
     d = Path(tempfile.gettempdir()) / f"deepinfer-vllm-import-{run}"
@@ -121,6 +124,15 @@ def _probe(scenario: str) -> dict:
         pytest.fail(f"probe {scenario} crashed: {scen.get('error')}: {scen.get('message')}\n"
                     f"{scen.get('trace', '')}")
     return res
+
+
+@pytest.mark.parametrize("scenario", sorted(vllm_import_probe.SCENARIOS))
+def test_probe_scenario_runs(scenario):
+    """Every scenario runs to its end in its own process and records its checks (the tests
+    below read them); a check that raised is reported by the test that reads it."""
+    res = _probe(scenario)
+    checks = [k for k in res if not k.startswith("_")]
+    assert checks and res["_seconds"] > 0, res.keys()
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,10 @@ metadata, which imports torch and setuptools_rust. Offline overrides:
 (an extracted tree).
 
 The result is ``build/vllm-0.33.0``: a git repository with one baseline commit of
-the pristine sdist. Every failure (checksum, size, version, dirty target) stops
-before anything is written to the destination.
+the pristine sdist. Every failure (checksum, size, content, dirty target) stops
+before anything is written to the destination. A ``--tree`` is identified by content: the
+files the series touches must have the pinned sha256 (patches/vllm-0.33.0/UPSTREAM),
+whatever its version string says (another string, or none, only warns).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     SDIST_NAME, SDIST_SHA256, SDIST_SIZE, UPSTREAM_TREE, VLLM_VERSION, ToolError,
-    run_main, sha256_file, tree_vllm_version,
+    identify_tree, pinned_files, run_main, sha256_file,
 )
 
 CACHE = Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer"))
@@ -222,10 +224,8 @@ def extract_tree(src_tar: Path | None, src_tree: Path | None, dest: Path) -> Non
                 tf.extractall(root, members=members, filter="data")
         else:
             shutil.copytree(src_tree, root, ignore=shutil.ignore_patterns(".git"))
-        version = tree_vllm_version(root)
-        if version != VLLM_VERSION:
-            raise ToolError(f"tree holds vLLM {version or '(no vllm/_version.py)'}, "
-                            f"expected {VLLM_VERSION}")
+        if src_tar is None:  # a tarball was checked by its sha256 already
+            identify_tree(root, pinned_files(), "--tree")
         git(root, "init", "-q")
         git(root, "add", "-A", "-f")  # the sdist's .gitignore hides vllm/_version.py & co.
         git(root, "commit", "-q", "--no-verify", "-m", BASELINE_MSG)
@@ -244,10 +244,9 @@ def fetch(sdist: Path | None, tree: Path | None, dest: Path, force: bool) -> Pat
     if tree is not None:
         if not tree.is_dir():
             raise ToolError(f"--tree {tree}: no such directory")
-        v = tree_vllm_version(tree)
-        if v != VLLM_VERSION:
-            raise ToolError(f"--tree {tree} holds vLLM {v or '(no vllm/_version.py)'}, "
-                            f"expected {VLLM_VERSION}")
+        # identity by content: the files the series touches must be the pinned ones (a git
+        # checkout has no vllm/_version.py; a local build says e.g. 0.33.0+cu130)
+        identify_tree(tree, pinned_files(), "--tree")
     action = check_target(dest, force)
     if action == "keep":
         print(f"{dest}: clean baseline of vLLM {VLLM_VERSION} already present")

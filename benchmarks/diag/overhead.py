@@ -68,5 +68,5 @@ from vllm.deepinfer.kernels import kv_gather as kg
 x = skg._make(dev, [16384], [16384], gen)
 t = time.perf_counter()
 for _ in range(1000):
-    kg._validate(x["out"], x["cache"], x["seq"], x["gl"], x["bt"], 64, 0)
-print("gather validate us", (time.perf_counter() - t) * 1e3)
+    kg._check_inputs(x["out"], x["cache"], x["seq"], x["gl"], x["bt"], 64, 0)
+print("gather checks us", (time.perf_counter() - t) * 1e3)

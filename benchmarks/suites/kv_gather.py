@@ -29,11 +29,12 @@ import torch
 from harness import Harness, bit_equal
 
 import upstream_kernels.v41_cache_utils as up
+from vllm.deepinfer import kv_record as kr
 from vllm.deepinfer.kernels import kv_gather as kg
 
-BLOCK = 64
-RECORD = 584
-BYTES_PER_TOKEN = RECORD + 512 * 2
+BLOCK = 64  # tokens per page (upstream's default cache block for the gather)
+RECORD = kr.RECORD_BYTES
+BYTES_PER_TOKEN = RECORD + kr.HEAD_DIM * 2  # a record read, a bf16 row written
 
 
 def _upstream_workers(max_gather_len):
@@ -47,26 +48,26 @@ def _upstream(x, max_gather_len):
     out = x["out_up"]
     up._dequantize_and_gather_k_kernel[(x["seq"].shape[0], _upstream_workers(max_gather_len))](
         out, out.stride(0), out.stride(1), x["cache"], x["seq"], x["bt"], 0, x["gl"],
-        max_blocks_per_seq=x["bt"].shape[-1], fp8_dim=448, bf16_dim=64, scale_dim=8,
-        quant_block=64, cache_block_size=BLOCK, token_data_size=576,
-        block_stride=x["cache"].stride(0), output_dim=512, fp8_max=448.0, n_quant_blocks=7,
-        use_fnuz=False)
+        max_blocks_per_seq=x["bt"].shape[-1], fp8_dim=kr.NOPE_DIM, bf16_dim=kr.ROPE_DIM,
+        scale_dim=kr.SCALE_BYTES, quant_block=kr.QUANT_BLOCK, cache_block_size=BLOCK,
+        token_data_size=kr.DATA_BYTES, block_stride=x["cache"].stride(0), output_dim=kr.HEAD_DIM,
+        fp8_max=kr.FP8_MAX, n_quant_blocks=kr.NUM_SCALES, use_fnuz=False)
 
 
 def _make(dev, gather_lens, seq_lens, gen):
     R = len(seq_lens)
     max_blocks = -(-max(seq_lens) // BLOCK)
     nb = sum(-(-s // BLOCK) for s in seq_lens) + 1
-    cache = torch.randint(0, 256, (nb, BLOCK * RECORD), dtype=torch.uint8, device=dev,
+    cache = torch.randint(0, 256, (nb, BLOCK, RECORD), dtype=torch.uint8, device=dev,
                           generator=gen)
-    nope = cache[:, :BLOCK * 576].view(nb, BLOCK, 576)[..., :448]
+    data, sc = kr.record_views(cache)
+    nope = data[..., :kr.NOPE_DIM]
     nope[(nope & 0x7F) == 0x7F] = 0x7E  # no NaN codes in real caches
-    rope = torch.randn(nb, BLOCK, 64, device=dev, generator=gen).to(torch.bfloat16)
-    cache[:, :BLOCK * 576].view(nb, BLOCK, 576)[..., 448:] = rope.view(torch.uint8).view(nb, BLOCK, 128)
-    sc = cache[:, BLOCK * 576:].view(nb, BLOCK, 8)
-    sc[..., :7] = torch.randint(110, 136, (nb, BLOCK, 7), dtype=torch.uint8, device=dev,
-                                generator=gen)
-    sc[..., 7] = 0
+    rope = torch.randn(nb, BLOCK, kr.ROPE_DIM, device=dev, generator=gen).to(torch.bfloat16)
+    data[..., kr.NOPE_DIM:] = rope.view(torch.uint8)
+    sc[..., :kr.NUM_SCALES] = torch.randint(110, 136, (nb, BLOCK, kr.NUM_SCALES),
+                                            dtype=torch.uint8, device=dev, generator=gen)
+    sc[..., kr.NUM_SCALES:] = 0
     perm = torch.randperm(nb, device=dev, generator=gen).to(torch.int32)
     bt = torch.zeros(R, max_blocks, dtype=torch.int32, device=dev)
     used = 0
@@ -76,11 +77,11 @@ def _make(dev, gather_lens, seq_lens, gen):
         used += n
     max_gl = max(gather_lens)
     return {
-        "cache": cache.view(nb, BLOCK, RECORD), "bt": bt,
+        "cache": cache, "bt": bt,
         "seq": torch.tensor(seq_lens, dtype=torch.int32, device=dev),
         "gl": torch.tensor(gather_lens, dtype=torch.int32, device=dev),
-        "out": torch.zeros(R, max_gl, 512, dtype=torch.bfloat16, device=dev),
-        "out_up": torch.zeros(R, max_gl, 512, dtype=torch.bfloat16, device=dev),
+        "out": torch.zeros(R, max_gl, kr.HEAD_DIM, dtype=torch.bfloat16, device=dev),
+        "out_up": torch.zeros(R, max_gl, kr.HEAD_DIM, dtype=torch.bfloat16, device=dev),
     }
 
 

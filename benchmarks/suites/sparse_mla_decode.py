@@ -28,39 +28,25 @@ import torch
 import triton
 
 from harness import Harness, bit_equal, max_abs_diff
+from vllm.deepinfer import kv_record
+from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM
 
 OURS = ("sm90", "sm80")
-SWA_PAGE, COMP_PAGE = 32, 64  # SWA blocks; compressed blocks on SM90
-WINDOW, TOPK = 128, 512
+# V4.1 pages as the measuring GPU (SM90) lays them out: SWA pages, compressed pages.
+SWA_PAGE, COMP_PAGE = shapes.V41.swa_page, shapes.compressed_page("sm90")
+WINDOW, TOPK = shapes.V41.window, shapes.V41.topk
 BATCHES = (1, 4, 16, 64, 128)
-C128A = dict(topk=8192, batches=(1, 16, 64))
+C128A = dict(topk=shapes.by_name("v4.c128a").topk, batches=(1, 16, 64))
 
 
 def pack_cache(k: torch.Tensor, page: int) -> torch.Tensor:
-    """[n, 512] -> [ceil(n / page), page, 584] uint8 records (upstream's writer quantization)."""
-    from vllm.deepinfer.kv_record import quantize_rows
-    k = torch.cat([k, k.new_zeros(-k.shape[0] % page, HEAD_DIM)])  # whole pages
-    n = k.shape[0]
-    nope, scales, rope = quantize_rows(k)
-    data = torch.cat([nope, rope.contiguous().view(torch.uint8).reshape(n, 2 * ROPE_DIM)], 1)
-    nb = n // page
-    return torch.cat([data.reshape(nb, page * 576), scales.reshape(nb, page * 8)], 1).reshape(
-        nb, page, RECORD_BYTES).contiguous()
-
-
-def dequant_cache(cache: torch.Tensor) -> torch.Tensor:
-    """All rows of a cache as fp32 [blocks * page, 512] (NaN entries zeroed, as upstream)."""
-    nb, page, _ = cache.shape
-    flat = cache.reshape(nb, page * RECORD_BYTES)
-    data = flat[:, :page * 576].reshape(nb * page, 576)
-    sc = flat[:, page * 576:].reshape(nb * page, 8)[:, :7]
-    nope = data[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, 7, 64)
-    nope = (nope * torch.exp2(sc.float() - 127)[:, :, None]).reshape(-1, NOPE_DIM)
-    rope = data[:, NOPE_DIM:].contiguous().view(torch.bfloat16).float()
-    rows = torch.cat([nope, rope], 1)
-    return torch.nan_to_num(rows, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    """[n, 512] -> [ceil(n / page), page, 584] uint8 records (upstream's writer quantization);
+    rows past n are zero records."""
+    cache = kv_record.new_cache(-(-k.shape[0] // page), page, k.device)
+    kv_record.insert_rows(cache, torch.arange(k.shape[0], device=k.device), k)
+    return cache
 
 
 def make_inputs(dev, tokens: int, heads: int, topk: int, window: int, seed: int = 0) -> dict:
@@ -87,8 +73,10 @@ def reference(x: dict) -> torch.Tensor:
     """fp32 torch decode on the GPU (each token: its window rows then its top-k rows)."""
     q = x["q"].float()
     T, H, _ = q.shape
-    km = dequant_cache(x["main_cache"])[x["main_indices"].long()].reshape(T, -1, HEAD_DIM)
-    ke = dequant_cache(x["extra_cache"])[x["extra_indices"].long()].reshape(T, -1, HEAD_DIM)
+    km = kv_record.read_rows(x["main_cache"], x["main_indices"], scrub_nan=True).reshape(
+        T, -1, HEAD_DIM)
+    ke = kv_record.read_rows(x["extra_cache"], x["extra_indices"], scrub_nan=True).reshape(
+        T, -1, HEAD_DIM)
     k = torch.cat([km, ke], 1)
     logits = torch.einsum("thd,tkd->thk", q, k) * x["scale"]
     logits = torch.cat([logits, x["attn_sink"].float()[None, :, None].expand(T, H, 1)], 2)

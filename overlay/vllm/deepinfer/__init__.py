@@ -16,6 +16,9 @@ VLLM_VERSION = "0.33.0"
 
 _logger = logging.getLogger("vllm.deepinfer")
 
+# Unknown or malformed DEEPINFER_* variables fail the import, naming them (envs.py).
+envs.check_at_import()
+
 
 def _announce() -> None:
     try:

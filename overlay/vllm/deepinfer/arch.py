@@ -7,7 +7,8 @@ forces a variant; under ``TRITON_INTERPRET=1`` a forced GPU variant runs its own
 kernels on CPU tensors, which is how CPU tests cover the sm80 and sm90 code.
 
 Per-architecture settings live in ``VARIANTS`` (one row per variant); kernel modules
-keep their own tile tables keyed by variant name.
+keep their own tile tables keyed by variant name. Every kernel module resolves its
+``variant=`` argument with ``resolve`` and sizes its grids with ``sm_count``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ import logging
 import os
 
 logger = logging.getLogger("vllm.deepinfer")
+
+__all__ = ["Variant", "VARIANTS", "UnsupportedGPU", "variant_for_capability", "device_capability",
+           "interpreting", "resolve_variant", "current", "reason", "resolve", "table_key", "sm_count",
+           "INTERPRETER_SMS", "reset_for_tests"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +110,9 @@ def _nvml_capability() -> tuple[int, int] | None:
 
 
 def device_capability() -> tuple[int, int] | None:
+    from vllm.deepinfer import emulate
+    if emulate.emulated() is not None:  # test-only A100-faithful mode (emulate.py)
+        return emulate.emulated()
     cap = _nvml_capability()
     if cap is not None:
         return cap
@@ -154,6 +162,50 @@ def reason() -> str:
     return _REASON
 
 
+# ----------------------------------------------------------------------------- kernel helpers
+def table_key(variant: str | None, table) -> str:
+    """The row of a kernel module's table (tiles keyed by variant) a call uses: ``variant``,
+    or this process's variant when None. Any key of ``table`` is accepted (benchmarks add
+    rows of their own); an unknown one raises one ValueError naming the argument."""
+    name = current().name if variant is None else variant
+    if name not in table:
+        raise ValueError(f"variant: {name!r} is not one of {', '.join(table)}")
+    return name
+
+
+def resolve(variant: str | None, table=None) -> Variant:
+    """The variant a kernel call runs: ``variant`` by name, or this process's when None;
+    ``table`` (a kernel module's tile table) limits the names to its keys."""
+    if variant is None:
+        return current()
+    return VARIANTS[table_key(variant, VARIANTS if table is None else table)]
+
+
+# Streaming multiprocessors assumed for CPU tensors (the Triton interpreter): grids sized from
+# it stay tiny (each program loops over its share of the work), and split-K never splits.
+INTERPRETER_SMS = 1
+_SM_COUNTS: dict[int, int] = {}
+
+
+def sm_count(device) -> int:
+    """SMs of ``device`` (a torch.device), read once per CUDA device index and cached (the
+    property query costs host time on every launch otherwise); ``INTERPRETER_SMS`` for a
+    non-CUDA device."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    index = device.index
+    if index is None:
+        import torch
+        index = torch.cuda.current_device()
+    n = _SM_COUNTS.get(index)
+    if n is None:
+        import torch
+        n = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
+
+
 def reset_for_tests() -> None:
     global _VARIANT, _REASON
     _VARIANT, _REASON = None, ""
+    from vllm.deepinfer import emulate
+    emulate.reset_for_tests()

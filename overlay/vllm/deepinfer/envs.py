@@ -4,10 +4,24 @@
 turns one off, ``=1`` forces it on for a variant where it is off by default (for example
 the Ampere attention path on Hopper, so the H200 can run it). Read at call time, so tests
 may change the environment.
+
+Strict: every ``DEEPINFER_*`` variable in the environment must be a feature switch
+(``FEATURES``) or listed in ``VARIABLES``; ``check_environment()`` (run when
+``vllm.deepinfer`` is imported, and by tools/patchset.py apply and tools/install_overlay.py
+install) raises ``EnvError`` naming an unknown variable, an unknown name in
+``DEEPINFER_DISABLE`` or a switch that is not 0/1, so a misspelt switch fails loudly instead
+of leaving a feature in a state nobody asked for. ``DEEPINFER_ENV_CHECK=warn`` turns the
+import-time error into a logged warning. A new variable is registered by adding one line to
+``VARIABLES`` (tests/test_reliability_envs.py fails for an unregistered one used in the
+repository).
+
+Stdlib only at module level: the tools load this file without torch or vLLM.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 
 
@@ -35,11 +49,115 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # sparse indexer has no scorer without ours, hence on for sm89 too.
     Feature("indexer_logits", _AMPERE | {"sm89"},
             "sparse-indexer MQA logits without DeepGEMM (fp8_fp4_[paged_]mqa_logits)"),
+    # The vLLM wheel bundles DeepGEMM, so has_deep_gemm() is True on an A100 although
+    # DeepGEMM has no kernels below 9.0 (its indexer metadata asserts, its GEMMs fail).
+    # On, has_deep_gemm() answers False below capability 9.0 (patch 0011); it never changes
+    # the answer from 9.0 up, hence on everywhere.
+    Feature("deep_gemm_gate", _ALL, "has_deep_gemm() is False below capability 9.0"),
     # mHC: V4's first-layer pre without DeepGEMM (whose tf32_hc_prenorm_gemm exists only
     # from 9.0) and the Ampere-tuned TileLang configs (vllm.deepinfer.mhc). On for sm89
     # too: it has no DeepGEMM either.
     Feature("mhc", _AMPERE | {"sm89"}, "mHC pre/post on TileLang without DeepGEMM, Ampere configs"),
+    # The Ampere fused geometry (hidden 5120) and the tensor-core projection from 16 tokens:
+    # compiled and tested on CPU only; on nowhere until the mhc suite measures them on a GPU.
+    Feature("mhc_tuned", frozenset(), "mHC Ampere geometry and tensor-core projection (unmeasured)"),
 )}
+
+
+# Every DEEPINFER_* environment variable that is not a feature switch, with one line on what
+# it does. Add a line here when you add a variable; nothing else needs to change.
+VARIABLES: dict[str, str] = {
+    "DEEPINFER_DISABLE": "comma-separated features to switch off, or `all`",
+    "DEEPINFER_ARCH": "force a kernel variant (sm80, sm86, sm89, sm90, sm100, cpu)",
+    "DEEPINFER_ENV_CHECK": "`error` (default) or `warn`: import's answer to a bad DEEPINFER_*",
+    "DEEPINFER_BUILD": "tools and tests: the build directory (default build/)",
+    "DEEPINFER_CACHE": "tools/upstream.py: the sdist cache (default ~/.cache/deepinfer)",
+    "DEEPINFER_VLLM_SDIST": "tools/upstream.py: a local vllm-0.33.0.tar.gz (offline)",
+    "DEEPINFER_VLLM_TREE": "tools/upstream.py: a local extracted vLLM 0.33.0 tree (offline)",
+    "DEEPINFER_REQUIRE_UPSTREAM": "tests: 1 turns missing build outputs into failures",
+    "DEEPINFER_COMMIT": "benchmarks: the commit recorded in results when git cannot tell",
+    "DEEPINFER_EMULATE_CAPABILITY": "test-only: vLLM sees this capability (e.g. 8.0) on any "
+                                    "GPU, the A100-faithful mode (vllm.deepinfer.emulate)",
+}
+
+PREFIX = "DEEPINFER_"
+ENV_CHECK_MODES = ("error", "warn")
+
+
+class EnvError(ValueError):
+    """A DEEPINFER_* variable that is unknown or malformed (one line, names it)."""
+
+
+def feature_variable(feature: str) -> str:
+    return PREFIX + feature.upper()
+
+
+def known_variables() -> dict[str, str]:
+    """Every DEEPINFER_* variable this package or its tools read, with what it does."""
+    out = {feature_variable(f.name): f"0 switches feature {f.name} off, 1 forces it on ({f.what})"
+           for f in FEATURES.values()}
+    out.update(VARIABLES)
+    return out
+
+
+def _disabled(environ=None) -> set[str]:
+    """The names in DEEPINFER_DISABLE; an unknown name is an error (not silently ignored)."""
+    env = os.environ if environ is None else environ
+    names = {s.strip().lower() for s in env.get("DEEPINFER_DISABLE", "").split(",")} - {""}
+    unknown = sorted(names - set(FEATURES) - {"all"})
+    if unknown:
+        raise EnvError(f"DEEPINFER_DISABLE names unknown feature(s) {', '.join(unknown)}; "
+                       f"known: {', '.join(FEATURES)} or all")
+    return names
+
+
+def problems(environ=None) -> list[str]:
+    """One line per unknown or malformed DEEPINFER_* variable in ``environ`` (default: ours)."""
+    env = os.environ if environ is None else environ
+    known = known_variables()
+    out = []
+    for name in sorted(k for k in env if k.startswith(PREFIX)):
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            out.append(f"unknown environment variable {name}{hint}: unset it or use one of "
+                       f"{', '.join(sorted(known))}")
+    try:
+        _disabled(env)
+    except EnvError as e:
+        out.append(str(e))
+    for f in FEATURES:
+        var = feature_variable(f)
+        if var in env and _truthy(env[var]) is None:
+            out.append(f"{var}={env[var]!r}: expected 0 or 1")
+    mode = env.get("DEEPINFER_ENV_CHECK", "error").strip().lower() or "error"
+    if mode not in ENV_CHECK_MODES:
+        out.append(f"DEEPINFER_ENV_CHECK={env['DEEPINFER_ENV_CHECK']!r}: expected "
+                   f"{' or '.join(ENV_CHECK_MODES)}")
+    return out
+
+
+def check_environment(environ=None) -> None:
+    """Raise EnvError (one line) when ``problems()`` finds anything."""
+    found = problems(environ)
+    if found:
+        raise EnvError("; ".join(found))
+
+
+def check_at_import() -> None:
+    """What importing vllm.deepinfer runs: an error unless DEEPINFER_ENV_CHECK=warn.
+
+    An error, not a warning, by default: a serving engineer who misspells a switch
+    (DEEPINFER_KVGATHER=0) should not get a server that silently runs the feature anyway."""
+    found = problems()
+    if not found:
+        return
+    msg = "; ".join(found)
+    if os.environ.get("DEEPINFER_ENV_CHECK", "").strip().lower() == "warn":
+        logging.getLogger("vllm.deepinfer").warning(
+            "deepinfer: %s (DEEPINFER_ENV_CHECK=warn: continuing)", msg)
+        return
+    raise EnvError(msg + " (DEEPINFER_ENV_CHECK=warn makes this a warning)")
 
 
 def _truthy(v: str) -> bool | None:
@@ -57,14 +175,14 @@ def enabled(feature: str, variant: str | None = None) -> bool:
     if variant is None:
         from vllm.deepinfer import arch
         variant = arch.current().name
-    disabled = {s.strip().lower() for s in os.environ.get("DEEPINFER_DISABLE", "").split(",")}
+    disabled = _disabled()
     if "all" in disabled or feature in disabled:
         return False
     own = os.environ.get(f"DEEPINFER_{feature.upper()}")
     if own is not None:
         val = _truthy(own)
         if val is None:
-            raise ValueError(f"DEEPINFER_{feature.upper()}={own!r}: expected 0 or 1")
+            raise EnvError(f"DEEPINFER_{feature.upper()}={own!r}: expected 0 or 1")
         return val
     return variant in FEATURES[feature].default_on
 
@@ -76,7 +194,7 @@ def explicit(feature: str) -> bool | None:
     request (e.g. ``DEEPINFER_AMPERE_ATTN=1`` on a Hopper GPU) from a default."""
     if feature not in FEATURES:
         raise KeyError(f"unknown deepinfer feature {feature!r}; known: {', '.join(FEATURES)}")
-    disabled = {s.strip().lower() for s in os.environ.get("DEEPINFER_DISABLE", "").split(",")}
+    disabled = _disabled()
     if "all" in disabled or feature in disabled:
         return False
     own = os.environ.get(f"DEEPINFER_{feature.upper()}")
@@ -84,7 +202,7 @@ def explicit(feature: str) -> bool | None:
         return None
     val = _truthy(own)
     if val is None:
-        raise ValueError(f"DEEPINFER_{feature.upper()}={own!r}: expected 0 or 1")
+        raise EnvError(f"DEEPINFER_{feature.upper()}={own!r}: expected 0 or 1")
     return val
 
 

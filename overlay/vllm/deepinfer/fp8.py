@@ -25,6 +25,11 @@ import triton.language as tl
 
 from vllm.deepinfer import arch
 from vllm.deepinfer.compile_gate import GateSpec, register
+from vllm.deepinfer.kernels.checks import check_tensor, fail
+
+__all__ = ["e4m3_to_f32", "e4m3_to_f32_lut", "e4m3_to_f32_e4b15", "e4m3_to_f32_f16bits",
+           "ue8m0_to_f32", "cvt_e4m3_to_f32", "f32_to_e4m3", "cvt_f32_to_e4m3", "ue8m0_exponent",
+           "e4m3_decode", "e4m3_encode", "e4m3_table", "ue8m0_decode", "ue8m0_encode"]
 
 
 @triton.jit
@@ -250,24 +255,19 @@ _gate("fp8._ue8m0_encode_kernel", _ue8m0_encode_kernel,
 
 def _check(name: str, t, dtypes: tuple, variant: str | None) -> tuple[str, bool, int]:
     """Validate tensor ``name`` and the variant; returns (variant, hw_fp8, block)."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    check_tensor(t, name, dtypes=dtypes)
     if t.device.type == "cpu" and not arch.interpreting():
-        raise ValueError(f"{name} is a CPU tensor: the Triton kernels need a CUDA tensor, "
-                         f"or TRITON_INTERPRET=1 to run on CPU")
+        fail(name, "a CPU tensor: the Triton kernels need a CUDA tensor, or TRITON_INTERPRET=1 "
+             "to run on CPU")
     if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{name} is on {t.device}; expected a CUDA (or interpreted CPU) tensor")
-    variant = arch.current().name if variant is None else variant
-    if variant not in arch.VARIANTS:
-        raise ValueError(f"variant {variant!r} is not one of {', '.join(arch.VARIANTS)}")
-    hw = arch.VARIANTS[variant].hw_fp8
+        fail(name, f"on {t.device}; expected a CUDA (or interpreted CPU) tensor")
+    v = arch.resolve(variant)
+    variant, hw = v.name, v.hw_fp8
     if hw and t.device.type == "cuda":
         cap = torch.cuda.get_device_capability(t.device)
         if cap < (8, 9):
-            raise ValueError(f"variant {variant} uses hardware fp8, which {name}'s device "
-                             f"(sm_{cap[0]}{cap[1]}) lacks")
+            fail("variant", f"{variant} uses hardware fp8, which {name}'s device "
+                 f"(sm_{cap[0]}{cap[1]}) lacks")
     # Tiles follow the device: interpreted CPU tensors take the "cpu" row whatever the
     # variant; on a GPU the "cpu" variant (the software path) takes sm80's.
     tiles = "cpu" if t.device.type == "cpu" else ("sm80" if variant == "cpu" else variant)

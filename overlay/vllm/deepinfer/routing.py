@@ -15,6 +15,12 @@ from vllm.deepinfer.kv_record import RECORD_BYTES
 
 logger = logging.getLogger("vllm.deepinfer")
 
+__all__ = ["use", "cutedsl_allowed", "reset", "kv_gather", "combine_topk_swa_indices",
+           "sparse_attn_decode", "mqa_logits", "paged_mqa_logits", "pack_fp8_as_bytes",
+           "fp8_writers", "rope_quant_insert", "indexer_k_norm_rope_store",
+           "compress_norm_rope_store", "fused_inv_rope_fp8_quant", "fused_indexer_q_rope_quant",
+           "CUTEDSL_MIN_CAPABILITY"]
+
 # CuTeDSL's gather kernel is built from sm_89 PTX (cvt to/from e4m3); it cannot run below it.
 CUTEDSL_MIN_CAPABILITY = (8, 9)
 
@@ -42,8 +48,40 @@ def cutedsl_allowed() -> bool:
     return cap is None or tuple(cap) >= CUTEDSL_MIN_CAPABILITY
 
 
+@functools.cache
+def cutedsl_usable() -> bool:
+    """CuTeDSL allowed here and its package installed: V4's head-512 compressor (patch 0012)
+    otherwise takes the Triton launcher instead of failing on ``import cutlass`` (a Hopper
+    host without nvidia-cutlass-dsl)."""
+    import importlib.util
+    return cutedsl_allowed() and importlib.util.find_spec("cutlass") is not None
+
+
+# DeepGEMM's kernels (GEMMs, MQA logits and their schedule metadata, mHC prenorm) exist for
+# SM90 and SM100 only.
+DEEP_GEMM_MIN_CAPABILITY = (9, 0)
+
+
+@functools.cache
+def deep_gemm_allowed() -> bool:
+    """Patch 0011: upstream tests ``has_deep_gemm()`` (importable) where it means "usable";
+    the wheel bundles DeepGEMM, so on an A100 the import succeeds and the first call fails.
+    False below capability 9.0 unless ``DEEPINFER_DEEP_GEMM_GATE=0``."""
+    cap = arch.device_capability()
+    if cap is None or tuple(cap) >= DEEP_GEMM_MIN_CAPABILITY:
+        return True
+    try:
+        on = envs.enabled("deep_gemm_gate", arch.variant_for_capability(tuple(cap)))
+    except arch.UnsupportedGPU:
+        on = True
+    if on:
+        logger.info("deepinfer: DeepGEMM hidden (capability %d.%d < 9.0; "
+                    "DEEPINFER_DEEP_GEMM_GATE=0 shows it)", *cap)
+    return not on
+
+
 def reset() -> None:
-    for f in (_variant, use, cutedsl_allowed):
+    for f in (_variant, use, cutedsl_allowed, cutedsl_usable, deep_gemm_allowed):
         f.cache_clear()
     arch.reset_for_tests()
 
@@ -193,3 +231,16 @@ def fused_indexer_q_rope_quant(positions, index_q, index_q_cos_sin_cache, index_
     from vllm.deepinfer.kernels.fp8_writers_v4 import fused_indexer_q_rope_quant as ours
     return ours(positions, index_q, index_q_cos_sin_cache, index_weights,
                 index_weights_softmax_scale, index_weights_head_scale, False, weights_out_dtype)
+
+
+# ----------------------------------------------------------------------------- engram lookup
+def engram_lookup(weight, scales, ids, sorted_dst, out, vocab_start: int, vocab_end: int,
+                  num_rows: int, **kw) -> bool:
+    """Patch 0019: V4.1's Engram table lookup reads the e4m3 table as bytes (upstream's kernel
+    takes a float8_e4m3fn pointer, which does not compile below sm_89). Same feature as the
+    fp8 writers; False: upstream's kernel runs."""
+    if not fp8_writers():
+        return False
+    from vllm.deepinfer.kernels.engram_lookup import engram_lookup as ours
+    ours(weight, scales, ids, sorted_dst, out, vocab_start, vocab_end, num_rows, **kw)
+    return True

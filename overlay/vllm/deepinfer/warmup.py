@@ -27,6 +27,7 @@ import logging
 from typing import Any, Callable, Iterable
 
 from vllm.deepinfer import arch, envs
+from vllm.deepinfer.kernels.shapes import SWA_PAGE, compressed_page
 
 logger = logging.getLogger("vllm.deepinfer")
 
@@ -34,11 +35,9 @@ logger = logging.getLogger("vllm.deepinfer")
 # of these kernels are multiples of 16 in every model configuration we serve (128-column
 # combined rows, 512-dim heads, 584 x block-size pages with block sizes 32/64/128, 64 heads).
 _INT = 16
-# Cache block sizes (tokens per page) the decode is compiled for: SWA pages are 32 tokens;
-# compressed/indexer pages 64 on SM90 and 128 elsewhere (DESIGN.md, V4.1 KV record).
-SWA_BLOCK = 32
-COMPRESSED_BLOCK = {"sm90": 64}
-_DEFAULT_COMPRESSED_BLOCK = 128
+# Cache block sizes (tokens per page) the decode is compiled for: V4.1's SWA pages and its
+# compressed/indexer pages on each variant (kernels/shapes.py).
+SWA_BLOCK = SWA_PAGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +97,7 @@ def _decode_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
     tile = smd.TILES[variant]
     block_h, _ = smd.launch_plan(1, shapes.heads, 1.0, tile, 1, num_kv_splits=1)
-    extra_bs = COMPRESSED_BLOCK.get(variant, _DEFAULT_COMPRESSED_BLOCK)
+    extra_bs = compressed_page(variant)
     has_extra = sorted({r > 0 for r in shapes.compress_ratios})
     keys = []
     for extra in has_extra:

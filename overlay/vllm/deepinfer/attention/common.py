@@ -366,4 +366,3 @@ class AmpereAttentionMixin:
     def _ampere_wo_b(self, z: torch.Tensor) -> torch.Tensor:
         wo_b_proj = getattr(self, "_wo_b_proj", None)  # V4.1 (GEMM-RS aware)
         return wo_b_proj(z) if wo_b_proj is not None else self.wo_b(z)
-

@@ -11,25 +11,29 @@ integer round-to-nearest-even on sm80/sm86/cpu, the hardware cvt on sm89+.
     fp8_writers_v4.fused_inv_rope_fp8_quant    <- v4 FusedInvRopeFP8QuantKernel.kernel
     fp8_writers_v4.fused_indexer_q_rope_quant  <- v4 FusedIndexerQRopeQuantTritonKernel.kernel
 
-This module holds what they share: variant resolution, input checks, the GPT-J RoPE of
-the trailing pairs, and compile-gate registration. See docs/fp8-writers.md.
+This module holds what they share: the quantization constants, the GPT-J RoPE of the
+trailing pairs, the fp8 key-row store, and compile-gate registration (variants resolve
+through ``arch.resolve``, inputs are checked with ``kernels.checks``). See
+docs/fp8-writers.md.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from vllm.deepinfer import arch
+from vllm.deepinfer import arch, kv_record
 from vllm.deepinfer.compile_gate import GateSpec, register
 from vllm.deepinfer.fp8 import cvt_f32_to_e4m3
 
+__all__ = ["FP8_MAX", "AMAX_FLOOR", "UE8M0_MAX", "GATE_VARIANTS", "FEATURE", "gptj_rotate",
+           "rope_tail_pairs", "store_fp8_key_row", "register_writer"]
+
 # Largest finite e4m3fn magnitude; every writer clamps (or scales) into +-FP8_MAX.
 # (tl.constexpr: jit functions may read it as a global.)
-FP8_MAX = tl.constexpr(448.0)
+FP8_MAX = tl.constexpr(kv_record.FP8_MAX)
 # Upstream's amax floor for the compressed and indexer caches: an all-zero block gets the
 # finite scale 2^ceil(log2(1e-4/448)) = 2^-22 (UE8M0 byte 105) instead of a zero division.
-AMAX_FLOOR = tl.constexpr(1e-4)
+AMAX_FLOOR = tl.constexpr(kv_record.AMAX_FLOOR)
 # UE8M0 stores 2^(byte-127); the encoded exponent is clamped into a byte (upstream's CUDA
 # bound; its gfx950 path uses 254 to keep the OCP-MX NaN code out, a ROCm-only path).
 UE8M0_MAX = tl.constexpr(255.0)
@@ -37,39 +41,6 @@ UE8M0_MAX = tl.constexpr(255.0)
 # sm_86) and sm90 (hardware cast). sm89/sm100 run the sm90 code path (HW_FP8=True).
 GATE_VARIANTS = ("sm80", "sm90")
 FEATURE = "fp8_sw"
-
-
-def resolve(variant: str | None) -> tuple[str, bool]:
-    """(variant name, HW_FP8) for a public function's ``variant`` argument."""
-    name = arch.current().name if variant is None else variant
-    if name not in arch.VARIANTS:
-        raise ValueError(f"variant {name!r} is not one of {', '.join(arch.VARIANTS)}")
-    return name, arch.VARIANTS[name].hw_fp8
-
-
-def check(ok: bool, tensor: str, what) -> None:
-    """Raise ValueError naming the offending tensor (or argument). ``what`` is the message or
-    a callable building it: the checks run on every launch, so messages are formatted only
-    on failure (eager f-strings cost the launchers tens of microseconds of host time per
-    call on the H200 host, ``*_host_us`` in the fp8_writers suite)."""
-    if not ok:
-        raise ValueError(f"{tensor}: {what() if callable(what) else what}")
-
-
-def check_tensor(t, name: str, *, dtypes=None, ndim: int | None = None,
-                 device: torch.device | None = None) -> None:
-    check(isinstance(t, torch.Tensor), name, lambda: f"expected a torch.Tensor, got {type(t).__name__}")
-    if dtypes is not None:
-        dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
-        check(t.dtype in dtypes, name,
-              lambda: f"dtype {t.dtype}, expected {' or '.join(map(str, dtypes))}")
-    if ndim is not None:
-        check(t.ndim == ndim, name, lambda: f"expected {ndim} dims, got shape {tuple(t.shape)}")
-    if device is not None:
-        check(t.device == device, name, lambda: f"on {t.device}, expected {device}")
-
-
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit

@@ -18,9 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.deepinfer import arch, kv_record
 from vllm.deepinfer.fp8 import cvt_f32_to_e4m3
-from vllm.deepinfer.kernels.fp8_writers import (FP8_MAX, INDEX_DTYPES, check, check_tensor,
-                                                gptj_rotate, register_writer, resolve)
+from vllm.deepinfer.kernels import shapes
+from vllm.deepinfer.kernels.checks import INDEX_DTYPES, check, check_tensor
+from vllm.deepinfer.kernels.fp8_writers import FP8_MAX, gptj_rotate, register_writer
+
+__all__ = ["fused_inv_rope_fp8_quant", "fused_indexer_q_rope_quant"]
 
 # Warps per program, per variant: upstream's single warp for one (token, head) row. Neither
 # kernel has a floating-point sum (max reductions and an integer scale pack are order-free),
@@ -37,6 +41,9 @@ _INDEXER_AMAX_FLOOR = tl.constexpr(1e-4)
 # DeepGEMM reads scales from rows padded to 16 bytes: the token count rounds up to a
 # multiple of 16 / sizeof(scale) = 4 (upstream's get_tma_aligned_size(num_tokens, 4)).
 _TMA_ALIGN_TOKENS = 4
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_F32 = (torch.float32,)
+_COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # ----------------------------------------------------------------- inverse RoPE + quant
@@ -107,8 +114,9 @@ def _inv_rope_quant_kernel(
 
 
 def fused_inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                             n_groups: int, heads_per_group: int, nope_dim: int = 448,
-                             rope_dim: int = 64, quant_group_size: int = 128,
+                             n_groups: int, heads_per_group: int,
+                             nope_dim: int = kv_record.NOPE_DIM, rope_dim: int = kv_record.ROPE_DIM,
+                             quant_group_size: int = shapes.V41.o_quant_group,
                              tma_aligned_scales: bool = False, quantize: bool = True, *,
                              variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse RoPE + block fp8 quantization; same arguments and results as upstream.
@@ -118,8 +126,8 @@ def fused_inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_c
     ``tma_aligned_scales``; empty when not quantizing), both transposed views of
     [G, T, ...] buffers as upstream returns them.
     """
-    name, hw_fp8 = resolve(variant)
-    check_tensor(o, "o", dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=3)
+    v = arch.resolve(variant)
+    check_tensor(o, "o", dtypes=_FLOATS, ndim=3)
     num_tokens, num_heads, head_dim = o.shape
     check(o.stride(2) == 1, "o", lambda: f"needs a unit inner stride, strides {o.stride()}")
     check(num_heads == n_groups * heads_per_group, "o",
@@ -136,7 +144,7 @@ def fused_inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_c
           lambda: f"packed UE8M0 needs head_dim/quant_group_size ({chunks}) divisible by 4")
     check_tensor(positions, "positions", dtypes=INDEX_DTYPES, ndim=1, device=o.device)
     check(positions.numel() >= num_tokens, "positions", lambda: f"{positions.numel()} < {num_tokens} tokens")
-    check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=torch.float32, ndim=2, device=o.device)
+    check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=_F32, ndim=2, device=o.device)
     check(cos_sin_cache.shape[1] == rope_dim and cos_sin_cache.stride(1) == 1, "cos_sin_cache",
           lambda: f"expected [max_pos, {rope_dim}] with unit inner stride, got {tuple(cos_sin_cache.shape)}")
 
@@ -160,7 +168,7 @@ def fused_inv_rope_fp8_quant(o: torch.Tensor, positions: torch.Tensor, cos_sin_c
             scale_buf.stride(0) if quantize else 0, scale_buf.stride(2) if quantize else 0,
             HEADS_PER_GROUP=heads_per_group, QUANT_GROUP=quant_group_size, CHUNKS=chunks,
             NOPE=nope_dim, HALF_ROPE=rope_dim // 2, QUANTIZE=quantize,
-            PACKED_UE8M0=tma_aligned_scales, HW_FP8=hw_fp8, num_warps=_INV_ROPE_WARPS[name],
+            PACKED_UE8M0=tma_aligned_scales, HW_FP8=v.hw_fp8, num_warps=_INV_ROPE_WARPS[v.name],
             num_stages=1)
     if quantize:
         out_buf = out_buf.view(torch.float8_e4m3fn)
@@ -224,27 +232,27 @@ def fused_indexer_q_rope_quant(positions: torch.Tensor, index_q: torch.Tensor,
     ``weights_out = index_weights * q_scale * softmax_scale * head_scale`` (fp32), as
     upstream's FP8 path (e4m3fn, FP8_MAX 448: the CUDA branch of upstream).
     """
-    name, hw_fp8 = resolve(variant)
+    v = arch.resolve(variant)
     if use_fp4:
         raise NotImplementedError("use_fp4: the MXFP4 indexer Q needs the sm_100 e2m1 cvt; "
                                   "there is no fp8-free variant of it")
     check(weights_out_dtype == torch.float32, "weights_out_dtype",
           lambda: f"{weights_out_dtype}: the FP8 path writes float32 weights")
-    check_tensor(index_q, "index_q", dtypes=(torch.bfloat16, torch.float16, torch.float32), ndim=3)
+    check_tensor(index_q, "index_q", dtypes=_FLOATS, ndim=3)
     num_tokens, num_heads, head_dim = index_q.shape
     dev = index_q.device
     check(index_q.stride(2) == 1, "index_q", lambda: f"needs a unit inner stride, strides {index_q.stride()}")
     check_tensor(positions, "positions", dtypes=INDEX_DTYPES, ndim=1, device=dev)
     check(positions.numel() == num_tokens, "positions",
           lambda: f"{positions.numel()} positions for {num_tokens} tokens")
-    check_tensor(index_q_cos_sin_cache, "index_q_cos_sin_cache",
-                 dtypes=(torch.float32, torch.bfloat16), ndim=2, device=dev)
+    check_tensor(index_q_cos_sin_cache, "index_q_cos_sin_cache", dtypes=_COS_SIN_DTYPES, ndim=2,
+                 device=dev)
     rot = index_q_cos_sin_cache.shape[1]
     nope = head_dim - rot
     check(index_q_cos_sin_cache.stride(1) == 1 and rot % 2 == 0 and nope >= 0, "index_q_cos_sin_cache",
           lambda: f"shape {tuple(index_q_cos_sin_cache.shape)} does not fit head_dim {head_dim}")
-    for n, v in (("index_q_cos_sin_cache", rot // 2), ("index_q", nope)):
-        check(v == 0 or triton.next_power_of_2(v) == v, n,
+    for n, dim in (("index_q_cos_sin_cache", rot // 2), ("index_q", nope)):
+        check(dim == 0 or triton.next_power_of_2(dim) == dim, n,
               lambda: f"half rotary dim {rot // 2} and NoPE dim {nope} must be powers of two")
     check_tensor(index_weights, "index_weights", ndim=2, device=dev)
     check(tuple(index_weights.shape) == (num_tokens, num_heads) and index_weights.stride(1) == 1,
@@ -259,13 +267,14 @@ def fused_indexer_q_rope_quant(positions: torch.Tensor, index_q: torch.Tensor,
             q_out, q_out.stride(0), q_out.stride(1),
             index_weights, index_weights.stride(0), index_weights_softmax_scale,
             index_weights_head_scale, weights_out, weights_out.stride(0),
-            HALF_ROT=rot // 2, HEAD=head_dim, HW_FP8=hw_fp8, num_warps=_INDEXER_Q_WARPS[name])
+            HALF_ROT=rot // 2, HEAD=head_dim, HW_FP8=v.hw_fp8, num_warps=_INDEXER_Q_WARPS[v.name])
     return q_out.view(torch.float8_e4m3fn), weights_out
 
 
 # ----------------------------------------------------------------- compile gate
 # V4.1/V4 shapes: 512-dim heads (448 + 64), 128-wide quant groups, 8 heads per o group
 # (64 heads / 8 groups); indexer Q heads of 128 dims with 64 rotated.
+_V41 = shapes.V41
 for _packed in (False, True):
     register_writer(
         f"v4.inv_rope_fp8_quant{'.ue8m0' if _packed else ''}", _inv_rope_quant_kernel,
@@ -276,8 +285,9 @@ for _packed in (False, True):
          "scale_stride_k": "i32", "HEADS_PER_GROUP": "constexpr", "QUANT_GROUP": "constexpr",
          "CHUNKS": "constexpr", "NOPE": "constexpr", "HALF_ROPE": "constexpr",
          "QUANTIZE": "constexpr", "PACKED_UE8M0": "constexpr"},
-        {"HEADS_PER_GROUP": 8, "QUANT_GROUP": 128, "CHUNKS": 4, "NOPE": 448, "HALF_ROPE": 32,
-         "QUANTIZE": True, "PACKED_UE8M0": _packed},
+        {"HEADS_PER_GROUP": _V41.heads // _V41.o_groups, "QUANT_GROUP": _V41.o_quant_group,
+         "CHUNKS": kv_record.HEAD_DIM // _V41.o_quant_group, "NOPE": kv_record.NOPE_DIM,
+         "HALF_ROPE": kv_record.ROPE_DIM // 2, "QUANTIZE": True, "PACKED_UE8M0": _packed},
         {v: _INV_ROPE_WARPS[v] for v in ("sm80", "sm90")}, num_stages=1)
 register_writer(
     "v4.indexer_q_rope_quant", _indexer_q_quant_kernel,
@@ -286,5 +296,5 @@ register_writer(
      "weights": "*bf16", "weights_stride": "i32", "softmax_scale": "fp32", "head_scale": "fp32",
      "weights_out": "*fp32", "weights_out_stride": "i32", "HALF_ROT": "constexpr",
      "HEAD": "constexpr"},
-    {"HALF_ROT": 32, "HEAD": 128},
+    {"HALF_ROT": kv_record.INDEX_ROPE_DIM // 2, "HEAD": kv_record.INDEX_HEAD_DIM},
     {v: _INDEXER_Q_WARPS[v] for v in ("sm80", "sm90")})

@@ -8,7 +8,9 @@ GPT-J RoPE + UE8M0 block quantization + paged insert of one compressed latent pe
 + per-token power-of-two fp8 quantization + paged store.
 
 Each kernel runs upstream's fp32 op sequence; e4m3 bytes come from
-``fp8.cvt_f32_to_e4m3(x, HW_FP8)``. Paths with no SM80 use are not ported (they raise):
+``fp8.cvt_f32_to_e4m3(x, HW_FP8)``. Slots < 0 (padding) are skipped as upstream skips them;
+so are slots past the cache (upstream would write out of bounds there). Paths with no SM80
+use are not ported (they raise):
 the 528/288-byte records and plain FlashInfer rows (SM100 layouts), the MXFP4 indexer
 cache (needs the sm_100 e2m1 cvt) and ROCm's tiled indexer layout.
 """
@@ -18,11 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.deepinfer import arch
 from vllm.deepinfer import kv_record as rec
 from vllm.deepinfer.fp8 import cvt_f32_to_e4m3
-from vllm.deepinfer.kernels.fp8_writers import (AMAX_FLOOR, FP8_MAX, INDEX_DTYPES, UE8M0_MAX,
-                                                check, check_tensor, register_writer, resolve,
+from vllm.deepinfer.kernels import shapes
+from vllm.deepinfer.kernels.checks import INDEX_DTYPES, check, check_tensor
+from vllm.deepinfer.kernels.fp8_writers import (AMAX_FLOOR, FP8_MAX, UE8M0_MAX, register_writer,
                                                 rope_tail_pairs, store_fp8_key_row)
+from vllm.deepinfer.kv_record import TL_HEAD_DIM
+
+__all__ = ["rope_quant_insert", "indexer_k_norm_rope_store"]
 
 # Warps per program, per variant. One program per token: the compressed-KV insert keeps
 # upstream's 4 (a 512-wide row, no sum reduction, so any count gives the same bytes). The
@@ -31,17 +38,17 @@ from vllm.deepinfer.kernels.fp8_writers import (AMAX_FLOOR, FP8_MAX, INDEX_DTYPE
 _INSERT_WARPS = {"cpu": 4, "sm80": 4, "sm86": 4, "sm89": 4, "sm90": 4, "sm100": 4}
 _INDEXER_K_WARPS = {"cpu": 1, "sm80": 1, "sm86": 1, "sm89": 1, "sm90": 1, "sm100": 1}
 
-# V4.1 indexer keys: 128 dims, the last 64 rotated.
-INDEXER_HEAD_DIM = 128
-INDEXER_ROPE_DIM = 64
-# Bytes per indexer-cache scale: one fp32 (or four packed UE8M0 bytes under MX scales).
-_INDEXER_SCALE_BYTES = 4
+# V4.1 indexer keys: 128 dims, the last 64 rotated, one 4-byte scale (kv_record's index-K row).
+INDEXER_HEAD_DIM, INDEXER_ROPE_DIM = rec.INDEX_HEAD_DIM, rec.INDEX_ROPE_DIM
+_INDEXER_SCALE_BYTES = rec.INDEX_SCALE_BYTES
+_BF16, _U8 = (torch.bfloat16,), (torch.uint8,)
+_COS_SIN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # ----------------------------------------------------------------- compressed KV insert
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _rope_quant_insert_584_kernel(
-    latent, positions, cos_sin, cache, cache_slots,
+    latent, positions, cos_sin, cache, cache_slots, num_slots,
     COS_STRIDE: tl.constexpr, CACHE_STRIDE: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     COMPRESS_RATIO: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     NOPE: tl.constexpr, QBLOCK: tl.constexpr, HW_FP8: tl.constexpr,
@@ -49,12 +56,12 @@ def _rope_quant_insert_584_kernel(
     """One program per token: a group's last token writes the group's 584-byte record."""
     t = tl.program_id(0)
     slot = tl.load(cache_slots + t)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):
         return
     position = tl.load(positions + t)
     if (position + 1) % COMPRESS_RATIO != 0:
         return
-    HEAD: tl.constexpr = 512
+    HEAD: tl.constexpr = TL_HEAD_DIM
     NBLK: tl.constexpr = HEAD // QBLOCK
     d = tl.arange(0, HEAD)
     x = tl.load(latent + t.to(tl.int64) * HEAD + d).to(tl.float32)
@@ -91,8 +98,8 @@ def rope_quant_insert(latent: torch.Tensor, positions: torch.Tensor, cos_sin_cac
     Same arguments and bytes as upstream's ``rope_quant_insert`` with a ``uint8`` cache of
     584-byte records. ``fp8_scale`` belongs to the plain FlashInfer rows and must be None.
     """
-    name, hw_fp8 = resolve(variant)
-    check_tensor(latent, "latent", dtypes=torch.bfloat16, ndim=2)
+    v = arch.resolve(variant)
+    check_tensor(latent, "latent", dtypes=_BF16, ndim=2)
     check(latent.shape[1] == rec.HEAD_DIM and latent.is_contiguous(), "latent",
           lambda: (f"expected a contiguous [tokens, {rec.HEAD_DIM}] tensor, got shape "
           f"{tuple(latent.shape)} strides {latent.stride()}"))
@@ -101,11 +108,10 @@ def rope_quant_insert(latent: torch.Tensor, positions: torch.Tensor, cos_sin_cac
     check_tensor(slot_mapping, "slot_mapping", dtypes=INDEX_DTYPES, ndim=1, device=dev)
     check(slot_mapping.is_contiguous() and positions.is_contiguous(), "slot_mapping/positions",
           "must be contiguous")
-    check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=(torch.float32, torch.bfloat16), ndim=2,
-                 device=dev)
+    check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=_COS_SIN_DTYPES, ndim=2, device=dev)
     check(cos_sin_cache.shape[1] == rec.ROPE_DIM and cos_sin_cache.stride(1) == 1, "cos_sin_cache",
           lambda: f"expected [max_pos, {rec.ROPE_DIM}] with unit inner stride, got {tuple(cos_sin_cache.shape)}")
-    check_tensor(kv_cache, "kv_cache", dtypes=torch.uint8, ndim=3, device=dev)
+    check_tensor(kv_cache, "kv_cache", dtypes=_U8, ndim=3, device=dev)
     check(kv_cache.shape[2] == rec.RECORD_BYTES, "kv_cache",
           lambda: (f"record width {kv_cache.shape[2]}: only the {rec.RECORD_BYTES}-byte record has an "
           "fp8-free variant (528/288-byte records and plain rows are SM100/FlashInfer layouts)"))
@@ -120,17 +126,17 @@ def rope_quant_insert(latent: torch.Tensor, positions: torch.Tensor, cos_sin_cac
         return
     _rope_quant_insert_584_kernel[(num_tokens,)](
         latent, positions, cos_sin_cache, kv_cache, slot_mapping,
-        COS_STRIDE=cos_sin_cache.stride(0), CACHE_STRIDE=kv_cache.stride(0),
+        kv_cache.shape[0] * kv_cache.shape[1], COS_STRIDE=cos_sin_cache.stride(0), CACHE_STRIDE=kv_cache.stride(0),
         CACHE_BLOCK=kv_cache.shape[1], COMPRESS_RATIO=compress_ratio,
         DATA_BYTES=rec.DATA_BYTES, SCALE_BYTES=rec.SCALE_BYTES, NOPE=rec.NOPE_DIM,
-        QBLOCK=rec.QUANT_BLOCK, HW_FP8=hw_fp8, num_warps=_INSERT_WARPS[name])
+        QBLOCK=rec.QUANT_BLOCK, HW_FP8=v.hw_fp8, num_warps=_INSERT_WARPS[v.name])
 
 
 # ----------------------------------------------------------------- indexer K store
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _indexer_k_store_fp8_kernel(
     k_pre, k_pre_stride, positions, norm_weight, eps, cos_sin, cos_stride,
-    cache, cache_slots, cache_block,
+    cache, cache_slots, cache_block, num_slots,
     HEAD: tl.constexpr, ROPE: tl.constexpr, COMPRESS_RATIO: tl.constexpr,
     BLOCK_STRIDE: tl.constexpr, SCALE_BYTES: tl.constexpr, MX_SCALE: tl.constexpr,
     HW_FP8: tl.constexpr,
@@ -138,7 +144,7 @@ def _indexer_k_store_fp8_kernel(
     """One program per token: a group's last token stores the group's fp8 index key."""
     t = tl.program_id(0)
     slot = tl.load(cache_slots + t)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):
         return
     position = tl.load(positions + t)
     if (position + 1) % COMPRESS_RATIO != 0:
@@ -177,25 +183,24 @@ def indexer_k_norm_rope_store(k_pre: torch.Tensor, positions: torch.Tensor,
     ``mx_scale`` is what upstream reads from ``mqa_logits_use_mx_scales()`` (True only on
     SM100): the scale is stored as four packed UE8M0 bytes instead of an fp32.
     """
-    name, hw_fp8 = resolve(variant)
+    v = arch.resolve(variant)
     if use_fp4_cache:
         raise NotImplementedError("use_fp4_cache: the MXFP4 indexer cache needs the sm_100 e2m1 "
                                   "cvt; there is no fp8-free variant of it")
-    check_tensor(k_pre, "k_pre", dtypes=torch.bfloat16, ndim=2)
+    check_tensor(k_pre, "k_pre", dtypes=_BF16, ndim=2)
     check(k_pre.shape[1] == INDEXER_HEAD_DIM and k_pre.stride(1) == 1, "k_pre",
           lambda: f"expected [tokens, {INDEXER_HEAD_DIM}] with unit inner stride, got {tuple(k_pre.shape)}")
     dev = k_pre.device
     check_tensor(positions, "positions", dtypes=INDEX_DTYPES, ndim=1, device=dev)
     check_tensor(kv_slot_mapping, "kv_slot_mapping", dtypes=INDEX_DTYPES, ndim=1, device=dev)
-    check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=(torch.float32, torch.bfloat16), ndim=2,
-                 device=dev)
+    check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=_COS_SIN_DTYPES, ndim=2, device=dev)
     check(cos_sin_cache.shape[1] == INDEXER_ROPE_DIM and cos_sin_cache.stride(1) == 1,
           "cos_sin_cache", lambda: f"expected [max_pos, {INDEXER_ROPE_DIM}], got {tuple(cos_sin_cache.shape)}")
     check_tensor(rms_norm_weight, "rms_norm_weight", ndim=1, device=dev)
     check(rms_norm_weight.numel() == INDEXER_HEAD_DIM and rms_norm_weight.is_contiguous(),
           "rms_norm_weight", lambda: f"expected {INDEXER_HEAD_DIM} contiguous values")
     row_bytes = INDEXER_HEAD_DIM + _INDEXER_SCALE_BYTES
-    check_tensor(k_cache, "k_cache", dtypes=torch.uint8, ndim=3, device=dev)
+    check_tensor(k_cache, "k_cache", dtypes=_U8, ndim=3, device=dev)
     check(k_cache.shape[2] == row_bytes and k_cache.stride(2) == 1 and k_cache.stride(1) == row_bytes,
           "k_cache", lambda: (f"expected [blocks, block_size, {row_bytes}] with contiguous pages, got "
           f"{tuple(k_cache.shape)} strides {k_cache.stride()}"))
@@ -208,20 +213,20 @@ def indexer_k_norm_rope_store(k_pre: torch.Tensor, positions: torch.Tensor,
     _indexer_k_store_fp8_kernel[(num_tokens,)](
         k_pre, k_pre.stride(0), positions, rms_norm_weight, rms_norm_eps,
         cos_sin_cache, cos_sin_cache.stride(0), k_cache, kv_slot_mapping, k_cache.shape[1],
-        HEAD=INDEXER_HEAD_DIM, ROPE=INDEXER_ROPE_DIM, COMPRESS_RATIO=compress_ratio,
+        k_cache.shape[0] * k_cache.shape[1], HEAD=INDEXER_HEAD_DIM, ROPE=INDEXER_ROPE_DIM, COMPRESS_RATIO=compress_ratio,
         BLOCK_STRIDE=k_cache.stride(0), SCALE_BYTES=_INDEXER_SCALE_BYTES, MX_SCALE=mx_scale,
-        HW_FP8=hw_fp8, num_warps=_INDEXER_K_WARPS[name])
+        HW_FP8=v.hw_fp8, num_warps=_INDEXER_K_WARPS[v.name])
 
 
 # ----------------------------------------------------------------- compile gate
-# The launches at V4.1 shapes: 128-token pages (SM80 block size for compressed caches),
-# a [max_pos, 64] fp32 cos_sin cache, ratios 1 and 2.
-_PAGE = 128
-for _cr in (1, 2):
+# The launches at V4.1 shapes: SM80's compressed-cache pages, a [max_pos, 64] fp32 cos_sin
+# cache, the V4.1 compress ratios that have a compressor (1 and 2).
+_PAGE = shapes.COMPRESSED_PAGE["sm80"]
+for _cr in (r for r in shapes.V41.ratios if r > 0):
     register_writer(
         f"v41.rope_quant_insert_584.cr{_cr}", _rope_quant_insert_584_kernel,
         {"latent": "*bf16", "positions": "*i64", "cos_sin": "*fp32", "cache": "*u8",
-         "cache_slots": "*i64", "COS_STRIDE": "constexpr", "CACHE_STRIDE": "constexpr",
+         "cache_slots": "*i64", "num_slots": "i32", "COS_STRIDE": "constexpr", "CACHE_STRIDE": "constexpr",
          "CACHE_BLOCK": "constexpr", "COMPRESS_RATIO": "constexpr", "DATA_BYTES": "constexpr",
          "SCALE_BYTES": "constexpr", "NOPE": "constexpr", "QBLOCK": "constexpr"},
         {"COS_STRIDE": rec.ROPE_DIM, "CACHE_STRIDE": _PAGE * rec.RECORD_BYTES, "CACHE_BLOCK": _PAGE,
@@ -232,7 +237,7 @@ for _cr in (1, 2):
         f"v41.indexer_k_store_fp8.cr{_cr}", _indexer_k_store_fp8_kernel,
         {"k_pre": "*bf16", "k_pre_stride": "i32", "positions": "*i64", "norm_weight": "*bf16",
          "eps": "fp32", "cos_sin": "*fp32", "cos_stride": "i32", "cache": "*u8",
-         "cache_slots": "*i64", "cache_block": "i32", "HEAD": "constexpr", "ROPE": "constexpr",
+         "cache_slots": "*i64", "cache_block": "i32", "num_slots": "i32", "HEAD": "constexpr", "ROPE": "constexpr",
          "COMPRESS_RATIO": "constexpr", "BLOCK_STRIDE": "constexpr", "SCALE_BYTES": "constexpr",
          "MX_SCALE": "constexpr"},
         {"HEAD": INDEXER_HEAD_DIM, "ROPE": INDEXER_ROPE_DIM, "COMPRESS_RATIO": _cr,

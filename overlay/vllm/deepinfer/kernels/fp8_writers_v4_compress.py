@@ -28,17 +28,21 @@ See docs/fp8-writers.md.
 """
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from vllm.deepinfer import arch
 from vllm.deepinfer import kv_record as rec
 from vllm.deepinfer.fp8 import cvt_f32_to_e4m3
-from vllm.deepinfer.kernels.fp8_writers import (AMAX_FLOOR, FP8_MAX, INDEX_DTYPES, UE8M0_MAX,
-                                                check, check_tensor, register_writer, resolve,
+from vllm.deepinfer.kernels import shapes
+from vllm.deepinfer.kernels.checks import INDEX_DTYPES, check, check_tensor, fail
+from vllm.deepinfer.kernels.fp8_writers import (AMAX_FLOOR, FP8_MAX, UE8M0_MAX, register_writer,
                                                 rope_tail_pairs, store_fp8_key_row)
+
+__all__ = ["compress_norm_rope_store_triton"]
 
 # Warps per program, per variant. Both kernels reduce with floating-point sums (the
 # softmax denominator, the pooled sum over the window's rows, the RMSNorm sum of squares);
@@ -48,12 +52,12 @@ _SPARSE_ATTN_WARPS = {"cpu": 4, "sm80": 4, "sm86": 4, "sm89": 4, "sm90": 4, "sm1
 _INDEXER_WARPS = {"cpu": 1, "sm80": 1, "sm86": 1, "sm89": 1, "sm90": 1, "sm100": 1}
 
 
-SPARSE_ATTN_HEAD_DIM = rec.HEAD_DIM  # 512: 448 NoPE + 64 RoPE
-INDEXER_HEAD_DIM = 128               # V4 index_head_dim
-ROPE_HEAD_DIM = rec.ROPE_DIM         # qk_rope_head_dim, the rotated tail of both heads
-INDEXER_QUANT_BLOCK = 128            # one fp8 scale per index key
-INDEXER_SCALE_BYTES = 4              # one fp32 (or four packed UE8M0 bytes under MX scales)
-STATE_DTYPE = torch.float32          # upstream's CompressorStateCache asserts fp32
+SPARSE_ATTN_HEAD_DIM = rec.HEAD_DIM        # 512: 448 NoPE + 64 RoPE
+INDEXER_HEAD_DIM = rec.INDEX_HEAD_DIM      # V4 index_head_dim (128)
+ROPE_HEAD_DIM = rec.ROPE_DIM               # qk_rope_head_dim, the rotated tail of both heads
+INDEXER_QUANT_BLOCK = rec.INDEX_HEAD_DIM   # one fp8 scale per index key
+INDEXER_SCALE_BYTES = rec.INDEX_SCALE_BYTES  # one fp32 (or four packed UE8M0 bytes, MX scales)
+STATE_DTYPE = torch.float32                # upstream's CompressorStateCache asserts fp32
 
 
 # ----------------------------------------------------------------- shared: pool + RMSNorm
@@ -91,12 +95,12 @@ def _pool_and_norm(state, state_stride0, state_stride1, req, position, block_tab
 
 
 # ----------------------------------------------------------------- head 512: 584-byte record
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def _compress_sparse_attn_kernel(
     state, state_stride0, state_stride1,
     token_to_req, positions, state_slots, block_table, block_table_stride, block_size,
     norm_weight, eps, cos_sin, cos_stride,
-    cache, cache_slots, cache_block,
+    cache, cache_slots, cache_block, num_slots,
     HEAD: tl.constexpr, STATE_WIDTH: tl.constexpr, COMPRESS_RATIO: tl.constexpr,
     OVERLAP: tl.constexpr, ROPE: tl.constexpr, QBLOCK: tl.constexpr,
     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, CACHE_STRIDE: tl.constexpr,
@@ -117,7 +121,7 @@ def _compress_sparse_attn_kernel(
     # registers at ratio 4 and more spill at ratio 128; in this order both builds use
     # exactly upstream's registers and stack.
     slot = tl.load(cache_slots + t)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):  # padding, or past the cache: nothing to write
         return
 
     NOPE: tl.constexpr = HEAD - ROPE
@@ -150,12 +154,12 @@ def _compress_sparse_attn_kernel(
 
 # ----------------------------------------------------------------- head 128: indexer FP8 row
 @triton.jit(do_not_specialize=["state_stride0", "state_stride1", "block_table_stride", "eps",
-                               "cos_stride"])
+                               "cos_stride", "num_slots"])
 def _compress_indexer_kernel(
     state, state_stride0, state_stride1,
     token_to_req, positions, state_slots, block_table, block_table_stride, block_size,
     norm_weight, eps, cos_sin, cos_stride,
-    cache, cache_slots, cache_block,
+    cache, cache_slots, cache_block, num_slots,
     HEAD: tl.constexpr, STATE_WIDTH: tl.constexpr, COMPRESS_RATIO: tl.constexpr,
     OVERLAP: tl.constexpr, ROPE: tl.constexpr, SCALE_BYTES: tl.constexpr,
     CACHE_STRIDE: tl.constexpr, MX_SCALE: tl.constexpr, HW_FP8: tl.constexpr,
@@ -171,7 +175,7 @@ def _compress_indexer_kernel(
                             position, block_table, block_table_stride, block_size,
                             norm_weight, eps, HEAD, STATE_WIDTH, COMPRESS_RATIO, OVERLAP)
     slot = tl.load(cache_slots + t)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):  # padding, or past the cache: nothing to write
         return
 
     # GPT-J RoPE of the last ROPE dims, then the whole key rounded through bf16.
@@ -191,29 +195,20 @@ def _is_pow2(n: int) -> bool:
     return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
-# Validation runs on every call (each layer, each step): the conditions are evaluated
-# first and a message is only formatted on failure; the shared ``check_tensor`` builds
-# the message for a tensor that fails the fast test.
-def _fail(name: str, what: str) -> NoReturn:
-    check(False, name, what)
-    raise AssertionError  # unreachable: check raised
-
-
-def _tensor(t, name: str, dtypes: tuple, ndim: int, device=None) -> None:
-    if not (isinstance(t, torch.Tensor) and t.dtype in dtypes and t.dim() == ndim
-            and (device is None or t.device == device)):
-        check_tensor(t, name, dtypes=dtypes, ndim=ndim, device=device)
+_U8 = (torch.uint8,)
+_STATE = (STATE_DTYPE,)
+_F32_BF16 = (torch.float32, torch.bfloat16)
 
 
 def _check_cache(kv_cache, name: str, row_bytes: int, dev) -> None:
-    _tensor(kv_cache, name, (torch.uint8,), 3, dev)
-    if kv_cache.shape[2] != row_bytes:
-        _fail(name, f"expected [blocks, block_size, {row_bytes}], got {tuple(kv_cache.shape)}")
+    check_tensor(kv_cache, name, dtypes=_U8, ndim=3, device=dev)
+    check(kv_cache.shape[2] == row_bytes, name,
+          lambda: f"expected [blocks, block_size, {row_bytes}], got {tuple(kv_cache.shape)}")
     # Within a page the kernel addresses block_size * row_bytes contiguous bytes (values
     # first, then scales); pages may be further apart (shared physical blocks).
     st = kv_cache.stride()
-    if not (st[2] == 1 and st[1] == row_bytes and st[0] >= kv_cache.shape[1] * row_bytes):
-        _fail(name, f"each page must be {row_bytes}*block_size contiguous bytes, strides {st}")
+    check(st[2] == 1 and st[1] == row_bytes and st[0] >= kv_cache.shape[1] * row_bytes, name,
+          lambda: f"each page must be {row_bytes}*block_size contiguous bytes, strides {st}")
 
 
 def compress_norm_rope_store_triton(
@@ -235,7 +230,7 @@ def compress_norm_rope_store_triton(
     ``fp8_ds_mla`` record (``store_full_kv=False``) exists here. ``pdl_kwargs`` is
     accepted and ignored (PDL changes no value and SM80 has none).
     """
-    name, hw_fp8 = resolve(variant)
+    v = arch.resolve(variant)
     del pdl_kwargs
     if store_full_kv or store_full_fp8 or fp8_scale is not None:
         raise NotImplementedError("store_full_kv/store_full_fp8: the plain full-cache rows are a "
@@ -243,7 +238,7 @@ def compress_norm_rope_store_triton(
     if head_dim == SPARSE_ATTN_HEAD_DIM:
         layout = (rec.QUANT_BLOCK, rec.DATA_BYTES, rec.SCALE_BYTES)
         if use_fp4_cache:
-            _fail("use_fp4_cache", "the MXFP4 cache is for the indexer (head 128) only")
+            fail("use_fp4_cache", "the MXFP4 cache is for the indexer (head 128) only")
         row_bytes = rec.RECORD_BYTES
     elif head_dim == INDEXER_HEAD_DIM:
         if use_fp4_cache:
@@ -252,49 +247,49 @@ def compress_norm_rope_store_triton(
         layout = (INDEXER_QUANT_BLOCK, head_dim, INDEXER_SCALE_BYTES)
         row_bytes = head_dim + INDEXER_SCALE_BYTES
     else:
-        _fail("head_dim", f"{head_dim}, expected {SPARSE_ATTN_HEAD_DIM} (attention KV) or "
-                          f"{INDEXER_HEAD_DIM} (indexer K)")
+        fail("head_dim", f"{head_dim}, expected {SPARSE_ATTN_HEAD_DIM} (attention KV) or "
+                         f"{INDEXER_HEAD_DIM} (indexer K)")
     if (quant_block, token_stride, scale_dim) != layout:
-        _fail("quant_block/token_stride/scale_dim", f"({quant_block}, {token_stride}, {scale_dim}); "
-              f"the {row_bytes}-byte row of head {head_dim} has {layout}")
+        fail("quant_block/token_stride/scale_dim", f"({quant_block}, {token_stride}, {scale_dim}); "
+             f"the {row_bytes}-byte row of head {head_dim} has {layout}")
     if rope_head_dim != ROPE_HEAD_DIM:
-        _fail("rope_head_dim", f"{rope_head_dim}, expected {ROPE_HEAD_DIM}")
+        fail("rope_head_dim", f"{rope_head_dim}, expected {ROPE_HEAD_DIM}")
     if not _is_pow2(compress_ratio):
-        _fail("compress_ratio", f"{compress_ratio}: the window is a power-of-two tile (V4 uses 4 and 128)")
+        fail("compress_ratio", f"{compress_ratio}: the window is a power-of-two tile (V4 uses 4 and 128)")
     overlap = bool(overlap)
     coff = 1 + overlap
     if not (isinstance(num_actual, int) and num_actual >= 0):
-        _fail("num_actual", f"{num_actual!r}, expected an int >= 0")
+        fail("num_actual", f"{num_actual!r}, expected an int >= 0")
     if not (isinstance(block_size, int) and block_size >= 1):
-        _fail("block_size", f"{block_size!r}, expected a positive int")
+        fail("block_size", f"{block_size!r}, expected a positive int")
 
-    _tensor(state_cache, "state_cache", (STATE_DTYPE,), 3)
+    check_tensor(state_cache, "state_cache", dtypes=_STATE, ndim=3)
     dev = state_cache.device
     if state_cache.stride(2) != 1:
-        _fail("state_cache", f"needs a unit inner stride, strides {state_cache.stride()}")
+        fail("state_cache", f"needs a unit inner stride, strides {state_cache.stride()}")
     if not (coff * head_dim <= state_width <= state_cache.shape[2] - coff * head_dim):
-        _fail("state_width", f"{state_width}: kv [0, {coff * head_dim}) and scores [state_width, "
-              f"state_width + {coff * head_dim}) must fit a state row of {state_cache.shape[2]} "
-              "without overlapping")
+        fail("state_width", f"{state_width}: kv [0, {coff * head_dim}) and scores [state_width, "
+             f"state_width + {coff * head_dim}) must fit a state row of {state_cache.shape[2]} "
+             "without overlapping")
     kv_slots = getattr(k_cache_metadata, "slot_mapping", None)
     for n, t in (("token_to_req_indices", token_to_req_indices), ("positions", positions),
                  ("slot_mapping", slot_mapping), ("k_cache_metadata.slot_mapping", kv_slots)):
-        _tensor(t, n, INDEX_DTYPES, 1, dev)
+        check_tensor(t, n, dtypes=INDEX_DTYPES, ndim=1, device=dev)
         if not t.is_contiguous():
-            _fail(n, "must be contiguous")
+            fail(n, "must be contiguous")
         if t.numel() < num_actual:
-            _fail(n, f"{t.numel()} entries for num_actual {num_actual}")
-    _tensor(block_table, "block_table", INDEX_DTYPES, 2, dev)
+            fail(n, f"{t.numel()} entries for num_actual {num_actual}")
+    check_tensor(block_table, "block_table", dtypes=INDEX_DTYPES, ndim=2, device=dev)
     if block_table.stride(1) != 1:
-        _fail("block_table", f"needs a unit inner stride, strides {block_table.stride()}")
-    _tensor(cos_sin_cache, "cos_sin_cache", (torch.float32, torch.bfloat16), 2, dev)
+        fail("block_table", f"needs a unit inner stride, strides {block_table.stride()}")
+    check_tensor(cos_sin_cache, "cos_sin_cache", dtypes=_F32_BF16, ndim=2, device=dev)
     if cos_sin_cache.shape[1] != rope_head_dim or cos_sin_cache.stride(1) != 1:
-        _fail("cos_sin_cache", f"expected [max_pos, {rope_head_dim}] with unit inner stride, got "
-              f"{tuple(cos_sin_cache.shape)} strides {cos_sin_cache.stride()}")
-    _tensor(rms_norm_weight, "rms_norm_weight", (torch.bfloat16, torch.float32), 1, dev)
+        fail("cos_sin_cache", f"expected [max_pos, {rope_head_dim}] with unit inner stride, got "
+             f"{tuple(cos_sin_cache.shape)} strides {cos_sin_cache.stride()}")
+    check_tensor(rms_norm_weight, "rms_norm_weight", dtypes=_F32_BF16, ndim=1, device=dev)
     if rms_norm_weight.numel() != head_dim or not rms_norm_weight.is_contiguous():
-        _fail("rms_norm_weight", f"expected {head_dim} contiguous values, got shape "
-              f"{tuple(rms_norm_weight.shape)}")
+        fail("rms_norm_weight", f"expected {head_dim} contiguous values, got shape "
+             f"{tuple(rms_norm_weight.shape)}")
     _check_cache(kv_cache, "kv_cache", row_bytes, dev)
     if num_actual == 0:
         return
@@ -302,17 +297,17 @@ def compress_norm_rope_store_triton(
     args = (state_cache, state_cache.stride(0), state_cache.stride(1),
             token_to_req_indices, positions, slot_mapping, block_table, block_table.stride(0),
             block_size, rms_norm_weight, rms_norm_eps, cos_sin_cache, cos_sin_cache.stride(0),
-            kv_cache, kv_slots, kv_cache.shape[1])
+            kv_cache, kv_slots, kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1])
     common = dict(HEAD=head_dim, STATE_WIDTH=state_width, COMPRESS_RATIO=compress_ratio,
-                  OVERLAP=overlap, ROPE=rope_head_dim, CACHE_STRIDE=kv_cache.stride(0), HW_FP8=hw_fp8)
+                  OVERLAP=overlap, ROPE=rope_head_dim, CACHE_STRIDE=kv_cache.stride(0), HW_FP8=v.hw_fp8)
     if head_dim == SPARSE_ATTN_HEAD_DIM:
         _compress_sparse_attn_kernel[(num_actual,)](
             *args, QBLOCK=quant_block, DATA_BYTES=token_stride, SCALE_BYTES=scale_dim,
-            num_warps=_SPARSE_ATTN_WARPS[name], **common)
+            num_warps=_SPARSE_ATTN_WARPS[v.name], **common)
     else:
         _compress_indexer_kernel[(num_actual,)](
             *args, SCALE_BYTES=scale_dim, MX_SCALE=bool(mx_scale),
-            num_warps=_INDEXER_WARPS[name], **common)
+            num_warps=_INDEXER_WARPS[v.name], **common)
 
 
 # ----------------------------------------------------------------- compile gate
@@ -324,17 +319,18 @@ _SIG = {"state": "*fp32", "state_stride0": "i32", "state_stride1": "i32", "token
         "positions": "*i64", "state_slots": "*i64", "block_table": "*i32",
         "block_table_stride": "i32", "block_size": "i32", "norm_weight": "*bf16", "eps": "fp32",
         "cos_sin": "*fp32", "cos_stride": "i32", "cache": "*u8", "cache_slots": "*i64",
-        "cache_block": "i32", "HEAD": "constexpr", "STATE_WIDTH": "constexpr",
+        "cache_block": "i32", "num_slots": "i32", "HEAD": "constexpr", "STATE_WIDTH": "constexpr",
         "COMPRESS_RATIO": "constexpr", "OVERLAP": "constexpr", "ROPE": "constexpr",
         "CACHE_STRIDE": "constexpr"}
-_ALIGN = 576
+# vLLM aligns these caches' pages to 576 bytes (the 584-byte record's data part).
+_ALIGN = rec.DATA_BYTES
 
 
 def _page_stride(entries: int, row_bytes: int) -> int:
     return -(-entries * row_bytes // _ALIGN) * _ALIGN
 
 
-for _cr, _entries in ((4, 64), (128, 2)):
+for _cr, _entries in ((r, shapes.V4_LOGICAL_BLOCK // r) for r in shapes.V4.ratios if r > 0):
     _ov = _cr == 4
     register_writer(
         f"v4.compress_sparse_attn.cr{_cr}", _compress_sparse_attn_kernel,
@@ -350,6 +346,6 @@ register_writer(
     {**_SIG, "SCALE_BYTES": "constexpr", "MX_SCALE": "constexpr"},
     {"HEAD": INDEXER_HEAD_DIM, "STATE_WIDTH": 2 * INDEXER_HEAD_DIM, "COMPRESS_RATIO": 4,
      "OVERLAP": True, "ROPE": ROPE_HEAD_DIM,
-     "CACHE_STRIDE": _page_stride(64, INDEXER_HEAD_DIM + INDEXER_SCALE_BYTES),
+     "CACHE_STRIDE": _page_stride(shapes.V4_LOGICAL_BLOCK // 4, rec.INDEX_RECORD_BYTES),
      "SCALE_BYTES": INDEXER_SCALE_BYTES, "MX_SCALE": False},
     {v: _INDEXER_WARPS[v] for v in ("sm80", "sm90")})

@@ -43,11 +43,13 @@ import triton
 import triton.language as tl
 
 from vllm.deepinfer import arch, compile_gate
-from vllm.deepinfer.kernels.kv_gather import sm_count_of
+from vllm.deepinfer.kernels import shapes
+from vllm.deepinfer.kernels.checks import check
+from vllm.deepinfer.kv_record import INDEX_HEAD_DIM as HEAD_DIM  # 128-dim index keys/queries
+from vllm.deepinfer.kv_record import INDEX_SCALE_BYTES as SCALE_BYTES  # one fp32 per key
 
-# Index keys / queries of V4.1 and V4: 128 dims. Bytes per cache scale: one fp32.
-HEAD_DIM = 128
-SCALE_BYTES = 4
+__all__ = ["mqa_logits", "paged_mqa_logits", "compile_constexprs", "LogitsTile", "TILES",
+           "HEAD_DIM"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,37 +164,25 @@ def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr,
 _INDEX = (torch.int32,)
 
 
-def _need(ok: bool, name: str, what) -> None:
-    if not ok:
-        raise ValueError(f"{name}: {what() if callable(what) else what}")
-
-
 def _as_codes(t: torch.Tensor, name: str) -> torch.Tensor:
-    _need(t.dtype in (torch.float8_e4m3fn, torch.uint8), name,
+    check(t.dtype in (torch.float8_e4m3fn, torch.uint8), name,
           lambda: f"expected float8_e4m3fn (or its uint8 bytes), got {t.dtype}")
-    _need(t.is_contiguous(), name, "must be contiguous")
+    check(t.is_contiguous(), name, "must be contiguous")
     return t.view(torch.uint8)
-
-
-def _resolve(variant: str | None, tile: LogitsTile | None) -> tuple[LogitsTile, bool]:
-    name = arch.current().name if variant is None else variant
-    if name not in TILES:
-        raise ValueError(f"variant {name!r} is not one of {', '.join(TILES)}")
-    return tile or TILES[name], arch.VARIANTS[name].hw_fp8
 
 
 def _programs(tile: LogitsTile, rows: int, max_len: int, device: torch.device,
               sm_count: int | None) -> int:
-    sms = sm_count if sm_count is not None else sm_count_of(device)  # 1 on CPU
+    sms = sm_count if sm_count is not None else arch.sm_count(device)  # 1 on CPU
     return max(1, min(triton.cdiv(max_len, tile.block_n),
                       triton.cdiv(tile.programs_per_sm * sms, max(rows, 1))))
 
 
 def _check_q_w(q: torch.Tensor, weights: torch.Tensor, rows: int) -> tuple[int, int]:
     heads, dim = q.shape[-2], q.shape[-1]
-    _need(dim == HEAD_DIM, "q", lambda: f"head dim {dim}, expected {HEAD_DIM}")
-    _need(1 <= heads <= 128, "q", lambda: f"{heads} heads, expected 1..128")
-    _need(weights.dtype == torch.float32 and weights.dim() == 2
+    check(dim == HEAD_DIM, "q", lambda: f"head dim {dim}, expected {HEAD_DIM}")
+    check(1 <= heads <= 128, "q", lambda: f"{heads} heads, expected 1..128")
+    check(weights.dtype == torch.float32 and weights.dim() == 2
           and tuple(weights.shape) == (rows, heads) and weights.is_contiguous(), "weights",
           lambda: f"expected contiguous fp32 [{rows}, {heads}], got {weights.dtype} "
           f"{tuple(weights.shape)}")
@@ -206,21 +196,21 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
     """DeepGEMM ``fp8_mqa_logits`` (FP8 path): fp32 [M, max_seqlen_k], row ``i`` holding keys
     ``[ks[i], ke[i])`` from column 0 (see module doc). ``max_seqlen_k`` must bound
     ``ke - ks``; it sizes the output and the grid. ``tile`` overrides the variant's tile."""
-    _need(q.dim() == 3, "q", lambda: f"expected [M, H, {HEAD_DIM}], got {tuple(q.shape)}")
+    check(q.dim() == 3, "q", lambda: f"expected [M, H, {HEAD_DIM}], got {tuple(q.shape)}")
     rows = q.shape[0]
     heads, dim = _check_q_w(q, weights, rows)
     qb = _as_codes(q, "q")
-    _need(k.dim() == 2 and k.shape[1] == dim, "k", lambda: f"expected [N, {dim}], got {tuple(k.shape)}")
+    check(k.dim() == 2 and k.shape[1] == dim, "k", lambda: f"expected [N, {dim}], got {tuple(k.shape)}")
     kb = _as_codes(k, "k")
     if k_scale.dtype == torch.uint8:
         k_scale = k_scale.view(torch.float32)
     k_scale = k_scale.reshape(-1)
-    _need(k_scale.dtype == torch.float32 and k_scale.numel() == k.shape[0]
+    check(k_scale.dtype == torch.float32 and k_scale.numel() == k.shape[0]
           and k_scale.is_contiguous(), "k_scale",
           lambda: f"expected {k.shape[0]} contiguous fp32 scales, got {k_scale.dtype} "
           f"{k_scale.numel()}")
     for name, t in (("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)):
-        _need(t.dtype in _INDEX and t.dim() == 1 and t.numel() == rows and t.is_contiguous(),
+        check(t.dtype in _INDEX and t.dim() == 1 and t.numel() == rows and t.is_contiguous(),
               name, lambda t=t: f"expected contiguous int32 [{rows}], got {t.dtype} "
               f"{tuple(t.shape)}")
     return _launch(q, rows, heads, max_seqlen_k, "max_seqlen_k",
@@ -238,30 +228,30 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     """DeepGEMM ``fp8_paged_mqa_logits`` (FP8 path): fp32 [B * next_n, max_model_len] over
     the paged index-K cache (see module doc). ``max_model_len`` must bound every context
     length (as DeepGEMM requires). ``tile`` overrides the variant's tile (benchmarks)."""
-    _need(q.dim() == 4, "q", lambda: f"expected [B, next_n, H, {HEAD_DIM}], got {tuple(q.shape)}")
+    check(q.dim() == 4, "q", lambda: f"expected [B, next_n, H, {HEAD_DIM}], got {tuple(q.shape)}")
     batch, next_n = q.shape[0], q.shape[1]
     rows = batch * next_n
     heads, dim = _check_q_w(q, weights, rows)
     qb = _as_codes(q, "q")
     if kv_cache.dim() == 4:  # DeepGEMM's [num_blocks, block_size, 1, D + 4] view
-        _need(kv_cache.shape[2] == 1, "kv_cache", lambda: f"4-D cache must have one head, got "
+        check(kv_cache.shape[2] == 1, "kv_cache", lambda: f"4-D cache must have one head, got "
               f"{tuple(kv_cache.shape)}")
         kv_cache = kv_cache.squeeze(2)
-    _need(kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3
+    check(kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3
           and kv_cache.shape[2] == dim + SCALE_BYTES, "kv_cache",
           lambda: f"expected uint8 [num_blocks, block_size, {dim + SCALE_BYTES}], got "
           f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
     block_size = kv_cache.shape[1]
-    _need(kv_cache.stride(2) == 1 and kv_cache.stride(1) == dim + SCALE_BYTES
+    check(kv_cache.stride(2) == 1 and kv_cache.stride(1) == dim + SCALE_BYTES
           and (kv_cache.shape[0] <= 1 or kv_cache.stride(0) >= block_size * (dim + SCALE_BYTES)),
           "kv_cache", lambda: f"pages must be contiguous, got strides {kv_cache.stride()}")
     shape = tuple(context_lens.shape)
     per_row = next_n > 1 and shape == (batch, next_n)
-    _need(context_lens.dtype in _INDEX and context_lens.is_contiguous()
+    check(context_lens.dtype in _INDEX and context_lens.is_contiguous()
           and (per_row or shape == (batch,) or (next_n == 1 and shape == (batch, 1))),
           "context_lens", lambda: f"expected contiguous int32 [{batch}] or [{batch}, {next_n}], got "
           f"{context_lens.dtype} {shape}")
-    _need(block_table.dtype in _INDEX and block_table.dim() == 2
+    check(block_table.dtype in _INDEX and block_table.dim() == 2
           and block_table.shape[0] >= batch and block_table.shape[1] >= 1
           and block_table.stride(1) == 1, "block_table",
           lambda: f"expected int32 [>= {batch}, max_blocks] with contiguous rows, got "
@@ -278,16 +268,17 @@ def _launch(q, rows: int, heads: int, width: int, width_name: str, tensors, args
             paged: bool, per_row: bool, variant, tile, sm_count) -> torch.Tensor:
     """Device checks, the [rows, width] fp32 output, and the launch (both forms)."""
     for name, t in tensors:
-        _need(t.device == q.device, name, lambda t=t: f"on {t.device}, q on {q.device}")
-    _need(width >= 0, width_name, lambda: f"{width} < 0")
+        check(t.device == q.device, name, lambda t=t: f"on {t.device}, q on {q.device}")
+    check(width >= 0, width_name, lambda: f"{width} < 0")
     out = torch.empty(rows, width, dtype=torch.float32, device=q.device)
     if rows == 0 or width == 0:
         return out
-    tile, hw_fp8 = _resolve(variant, tile)
+    v = arch.resolve(variant, TILES)
+    tile = tile or TILES[v.name]
     grid = (_programs(tile, rows, width, q.device, sm_count), rows)
     _logits_kernel[grid](
         out, out.stride(0), *args, H=heads, H_PAD=max(16, triton.next_power_of_2(heads)),
-        D=HEAD_DIM, BLOCK_N=tile.block_n, PAGED=paged, CTX_PER_ROW=per_row, HW_FP8=hw_fp8,
+        D=HEAD_DIM, BLOCK_N=tile.block_n, PAGED=paged, CTX_PER_ROW=per_row, HW_FP8=v.hw_fp8,
         E4B15=tile.e4b15, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
@@ -303,7 +294,7 @@ _SIGNATURE = {
 }
 
 
-def compile_constexprs(variant: str, heads: int = 64) -> list[dict]:
+def compile_constexprs(variant: str, heads: int = shapes.V41.index_heads) -> list[dict]:
     """The constexpr sets a model with ``heads`` index heads launches on ``variant``: paged
     (one length per request, and per row for native multi-token decode) and flat."""
     tile = TILES[variant]
@@ -314,7 +305,7 @@ def compile_constexprs(variant: str, heads: int = 64) -> list[dict]:
 
 
 def _register() -> None:
-    # V4.1/V4 indexers: 64 heads x 128 dims.
+    # V4.1/V4 indexers: 64 heads x 128 dims (compile_constexprs' default).
     for v in ("sm80", "sm90"):
         tile = TILES[v]
         for c in compile_constexprs(v):

@@ -25,14 +25,21 @@ Design (docs/kv-gather-and-combiner.md):
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from vllm.deepinfer import arch, compile_gate, fp8
-from vllm.deepinfer.kv_record import DATA_BYTES, HEAD_DIM, NOPE_DIM, RECORD_BYTES, SCALE_BYTES
+from vllm.deepinfer.kernels.checks import check, check_tensor
+from vllm.deepinfer.kv_record import HEAD_DIM, RECORD_BYTES
+from vllm.deepinfer.kv_record import TL_DATA_BYTES as _DATA  # 576 data bytes per record
+from vllm.deepinfer.kv_record import TL_NOPE_DIM as _NOPE  # 448 e4m3 values, then bf16 RoPE
+from vllm.deepinfer.kv_record import TL_NUM_SCALES as _GROUPS  # 7 UE8M0 groups of 64
+from vllm.deepinfer.kv_record import TL_QUANT_BLOCK as _CHUNK  # 64 values per scale
+from vllm.deepinfer.kv_record import TL_SCALE_BYTES as _SCALE  # 8 scale bytes (7 + pad)
+
+__all__ = ["dequantize_and_gather_k_cache", "compile_keys", "GatherKey", "GatherTile", "TILES"]
 
 # e4m3 decoders (the DECODE constexpr), all exact (tests/test_fp8.py, tests/test_kv_gather.py):
 # fp8.e4m3_to_f32 ("int"), fp8.e4m3_to_f32_f16bits, fp8.e4m3_to_f32_e4b15, and the hardware
@@ -74,7 +81,6 @@ TILES: dict[str, GatherTile] = {
 # Requests handled by one launch, bucketed so only three request-vector widths compile.
 # A larger batch is split into launches of at most the last bucket (requests are independent).
 _REQ_BUCKETS = (16, 128, 1024)
-_INTERPRETER_SMS = 1  # CPU tensors (Triton interpreter): a tiny grid, each program loops
 
 
 @triton.jit(do_not_specialize=["num_reqs", "block_size", "offset"])
@@ -96,12 +102,14 @@ def _gather_kernel(out_ptr, out_s0, out_s1, cache_ptr, page_stride, seq_ptr, gl_
     total = tl.sum(ntiles, 0)
 
     t = tl.arange(0, TOKENS)
-    g3 = tl.arange(0, 8)[None, :, None]
+    # A token's 512 values as [8, 64]: groups 0..6 the NoPE values (one scale each), group 7
+    # the RoPE tail (one group wide).
+    g3 = tl.arange(0, _GROUPS + 1)[None, :, None]
     # 8 contiguous values per thread: an 8-byte e4m3 load feeds one 16-byte bf16 store with
     # no register shuffle through shared memory between them.
-    c3 = tl.max_contiguous(tl.arange(0, 64), 8)[None, None, :]
-    c2 = tl.arange(0, 64)[None, :]
-    g2 = tl.arange(0, 8)[None, :]
+    c3 = tl.max_contiguous(tl.arange(0, _CHUNK), 8)[None, None, :]
+    c2 = tl.arange(0, _CHUNK)[None, :]
+    g2 = tl.arange(0, _GROUPS + 1)[None, :]
     out16 = out_ptr.to(tl.pointer_type(tl.int16))
     for tile in range(pid, total, nprog):
         # Request of this tile: the number of requests whose tiles all lie below it.
@@ -119,14 +127,15 @@ def _gather_kernel(out_ptr, out_s0, out_s1, cache_ptr, page_stride, seq_ptr, gl_
         blk = tl.load(bt_ptr + b.to(tl.int64) * bt_stride + pos // block_size, mask=tmask, other=0)
         slot = pos % block_size
         page = cache_ptr + blk.to(tl.int64) * page_stride
-        data = page + slot * 576                      # DATA_BYTES
-        scales = page + block_size * 576 + slot * 8   # after the page's data region
+        data = page + slot * _DATA
+        scales = page + block_size * _DATA + slot * _SCALE  # after the page's data region
         row = out16 + b.to(tl.int64) * out_s0 + (offset + i).to(tl.int64) * out_s1
 
         # NoPE: groups 0..6 of the [TOKENS, 8, 64] tile.
-        nmask = tmask[:, None, None] & (g3 < 7)
-        x = tl.load(data[:, None, None] + g3 * 64 + c3, mask=nmask, other=0)
-        sb = tl.load(scales[:, None] + g2, mask=tmask[:, None] & (g2 < 7), other=127)  # [TOKENS, 8]
+        nmask = tmask[:, None, None] & (g3 < _GROUPS)
+        x = tl.load(data[:, None, None] + g3 * _CHUNK + c3, mask=nmask, other=0)
+        sb = tl.load(scales[:, None] + g2, mask=tmask[:, None] & (g2 < _GROUPS),
+                     other=127)  # [TOKENS, 8]
         s = fp8.ue8m0_to_f32(sb)[:, :, None]
         if DECODE == 0:
             xf = fp8.e4m3_to_f32(x)
@@ -137,34 +146,15 @@ def _gather_kernel(out_ptr, out_s0, out_s1, cache_ptr, page_stride, seq_ptr, gl_
         else:
             xf = fp8.cvt_e4m3_to_f32(x, True)
         y = (xf * s).to(tl.bfloat16).to(tl.int16, bitcast=True)
-        tl.store(row[:, None, None] + g3 * 64 + c3, y, mask=nmask)
+        tl.store(row[:, None, None] + g3 * _CHUNK + c3, y, mask=nmask)
 
         # RoPE: 64 bf16 values after the NoPE bytes, copied as int16 bits.
-        rope = (data + 448).to(tl.pointer_type(tl.int16))
+        rope = (data + _NOPE).to(tl.pointer_type(tl.int16))
         rv = tl.load(rope[:, None] + c2, mask=tmask[:, None], other=0)
-        tl.store(row[:, None] + 448 + c2, rv, mask=tmask[:, None])
+        tl.store(row[:, None] + _NOPE + c2, rv, mask=tmask[:, None])
 
 
 # --------------------------------------------------------------------------- host side
-@functools.lru_cache(maxsize=None)
-def _device_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count_of(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _INTERPRETER_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_sm_count(index)
-
-
-def _tile(variant: str | None) -> GatherTile:
-    name = variant if variant is not None else arch.current().name
-    if name not in TILES:
-        raise ValueError(f"variant {name!r} is not one of {', '.join(TILES)}")
-    return TILES[name]
-
-
 def _req_bucket(num_reqs: int) -> int:
     for b in _REQ_BUCKETS:
         if num_reqs <= b:
@@ -172,74 +162,37 @@ def _req_bucket(num_reqs: int) -> int:
     return _REQ_BUCKETS[-1]
 
 
-def _inputs_ok(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset) -> bool:
-    """Every condition of ``_validate`` in one expression, with no message built: the per-call
-    check. ``_validate`` runs (and names the bad tensor) only when this says False. On the
-    H200 host the full ``_validate`` took ~19 us per call next to Triton's own ~40 us launch
-    (benchmarks/diag/overhead.py)."""
-    try:
-        osh, ost = out.shape, out.stride()
-        ksh, kst = k_cache.shape, k_cache.stride()
-        n = seq_lens.shape[0]
-        dev = out.device
-        return (out.dtype is torch.bfloat16 and len(osh) == 3 and osh[2] == HEAD_DIM
-                and ost[2] == 1 and osh[0] >= n and 0 <= offset <= osh[1]
-                and k_cache.dtype is torch.uint8 and len(ksh) == 3 and ksh[2] == RECORD_BYTES
-                and kst[2] == 1 and (ksh[1] <= 1 or kst[1] == RECORD_BYTES)
-                and block_size >= 1 and (ksh[0] <= 1 or kst[0] >= block_size * RECORD_BYTES)
-                and seq_lens.dtype is torch.int32 and seq_lens.dim() == 1
-                and seq_lens.is_contiguous()
-                and (gather_lens is None
-                     or (gather_lens.dtype is torch.int32 and gather_lens.dim() == 1
-                         and gather_lens.shape[0] == n and gather_lens.is_contiguous()
-                         and gather_lens.device == dev))
-                and block_table.dtype is torch.int32 and block_table.dim() == 2
-                and block_table.shape[0] >= n and block_table.stride(1) == 1
-                and k_cache.device == dev and seq_lens.device == dev
-                and block_table.device == dev)
-    except (AttributeError, IndexError, TypeError):
-        return False
+_BF16, _U8, _I32 = (torch.bfloat16,), (torch.uint8,), (torch.int32,)
 
 
-def _validate(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
-    # Messages are built only on failure (lambdas); the per-call check is _inputs_ok.
-    def need(cond, name, what):
-        if not cond:
-            raise ValueError(f"{name}: {what() if callable(what) else what}")
-
-    need(out.dim() == 3 and out.dtype == torch.bfloat16 and out.shape[2] == HEAD_DIM
-         and out.stride(2) == 1, "out",
-         lambda: f"expected bf16 [num_reqs, tokens, {HEAD_DIM}] with a contiguous last dim, got "
-         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    need(k_cache.dim() == 3 and k_cache.shape[-1] == RECORD_BYTES, "k_cache",
-         lambda: f"expected [num_blocks, block_size, {RECORD_BYTES}] (584-byte records only), got "
-         f"{tuple(k_cache.shape)}")
-    need(k_cache.dtype == torch.uint8, "k_cache", lambda: f"expected uint8, got {k_cache.dtype}")
-    need(k_cache.stride(2) == 1 and (k_cache.shape[1] <= 1 or k_cache.stride(1) == RECORD_BYTES),
-         "k_cache", lambda: f"a page must be contiguous, got strides {k_cache.stride()}")
-    need(block_size >= 1 and (k_cache.shape[0] <= 1
-                              or k_cache.stride(0) >= block_size * RECORD_BYTES),
-         "k_cache", lambda: f"stride(0)={k_cache.stride(0)} is smaller than a page of block_size="
-         f"{block_size} records")
-    need(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32, "seq_lens",
-         lambda: f"expected int32 [num_reqs], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+def _check_inputs(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset) -> None:
+    """The launcher's checks (messages formatted only on failure, kernels/checks.py). Shapes
+    and strides are read once per tensor (each ``stride()`` call costs host time)."""
+    check_tensor(out, "out", _BF16, 3)
+    dev = out.device
+    osh, ost = out.shape, out.stride()
+    check(osh[2] == HEAD_DIM and ost[2] == 1, "out",
+          lambda: f"expected bf16 [num_reqs, tokens, {HEAD_DIM}] with a contiguous last dim, got "
+          f"{tuple(osh)} strides {ost}")
+    check_tensor(k_cache, "k_cache", _U8, 3, dev)
+    ksh, kst = k_cache.shape, k_cache.stride()
+    check(ksh[2] == RECORD_BYTES and kst[2] == 1 and (ksh[1] <= 1 or kst[1] == RECORD_BYTES)
+          and block_size >= 1 and (ksh[0] <= 1 or kst[0] >= block_size * RECORD_BYTES),
+          "k_cache", lambda: f"expected [num_blocks, block_size, {RECORD_BYTES}] (584-byte records "
+          f"only) with contiguous pages of block_size={block_size} records, got shape "
+          f"{tuple(ksh)} strides {kst}")
+    check_tensor(seq_lens, "seq_lens", _I32, 1, dev, True)
     num_reqs = seq_lens.shape[0]
     if gather_lens is not None:
-        need(gather_lens.dtype == torch.int32 and tuple(gather_lens.shape) == (num_reqs,),
-             "gather_lens", lambda: f"expected int32 [{num_reqs}], got {gather_lens.dtype} "
-             f"{tuple(gather_lens.shape)}")
-        need(gather_lens.is_contiguous(), "gather_lens", "must be contiguous")
-    need(seq_lens.is_contiguous(), "seq_lens", "must be contiguous")
-    need(block_table.dim() == 2 and block_table.dtype == torch.int32
-         and block_table.shape[0] >= num_reqs and block_table.stride(1) == 1, "block_table",
-         lambda: f"expected int32 [>= {num_reqs}, max_blocks] with contiguous rows, got "
-         f"{block_table.dtype} {tuple(block_table.shape)} strides {block_table.stride()}")
-    need(out.shape[0] >= num_reqs, "out", lambda: f"has {out.shape[0]} rows for {num_reqs} requests")
-    need(0 <= offset <= out.shape[1], "offset", lambda: f"{offset} outside [0, {out.shape[1]}]")
-    for name, t in (("k_cache", k_cache), ("seq_lens", seq_lens), ("block_table", block_table),
-                    ("gather_lens", gather_lens)):
-        if t is not None:
-            need(t.device == out.device, name, f"on {t.device}, out on {out.device}")
+        check_tensor(gather_lens, "gather_lens", _I32, 1, dev, True)
+        check(gather_lens.shape[0] == num_reqs, "gather_lens",
+              lambda: f"expected int32 [{num_reqs}], got {tuple(gather_lens.shape)}")
+    check_tensor(block_table, "block_table", _I32, 2, dev)
+    check(block_table.shape[0] >= num_reqs and block_table.stride(1) == 1, "block_table",
+          lambda: f"expected int32 [>= {num_reqs}, max_blocks] with contiguous rows, got "
+          f"{tuple(block_table.shape)} strides {block_table.stride()}")
+    check(osh[0] >= num_reqs, "out", lambda: f"has {osh[0]} rows for {num_reqs} requests")
+    check(0 <= offset <= osh[1], "offset", lambda: f"{offset} outside [0, {osh[1]}]")
 
 
 def dequantize_and_gather_k_cache(
@@ -267,16 +220,15 @@ def dequantize_and_gather_k_cache(
         raise NotImplementedError(
             "use_fnuz=True reads FNUZ e4m3 (ROCm gfx942 caches); vllm.deepinfer serves CUDA "
             "only — route this call to upstream vLLM")
-    if not _inputs_ok(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset):
-        _validate(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
-    tile = _tile(variant)
+    _check_inputs(out, k_cache, seq_lens, gather_lens, block_table, block_size, offset)
+    tile = TILES[arch.table_key(variant, TILES)]
     num_reqs = seq_lens.shape[0]
     cap = out.shape[1] - offset
     if max_gather_len is not None:
         cap = min(cap, max_gather_len)
     if num_reqs == 0 or cap <= 0:
         return
-    sms = sm_count if sm_count is not None else sm_count_of(out.device)
+    sms = sm_count if sm_count is not None else arch.sm_count(out.device)
     step = _REQ_BUCKETS[-1]
     for r0 in range(0, num_reqs, step):
         r1 = min(num_reqs, r0 + step)
@@ -311,7 +263,7 @@ def compile_keys(variant: str | None = None) -> list[GatherKey]:
     """Every configuration a model can launch on ``variant``: three request buckets, with and
     without ``gather_lens`` (compressed gathers pass None). Block size, offset, strides and
     request count are runtime arguments, so nothing else multiplies the keys."""
-    tile = _tile(variant)
+    tile = TILES[arch.table_key(variant, TILES)]
     return [GatherKey(tile.tokens, br, has, _DECODES[tile.decode], tile.num_warps)
             for br in _REQ_BUCKETS for has in (True, False)]
 
@@ -346,6 +298,3 @@ def _register() -> None:
 
 
 _register()
-
-# The kernel spells the record layout as literals (576, 448, 8, 7 groups of 64).
-assert (DATA_BYTES, NOPE_DIM, SCALE_BYTES, NOPE_DIM // 64) == (576, 448, 8, 7)

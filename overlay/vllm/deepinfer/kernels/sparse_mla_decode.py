@@ -35,7 +35,6 @@ docs/sparse-mla-decode.md for the tile choices and their compile-gate figures.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -45,18 +44,21 @@ import triton.language as tl
 from vllm.deepinfer import arch
 from vllm.deepinfer.compile_gate import GateSpec, register
 from vllm.deepinfer.fp8 import cvt_e4m3_to_f32, ue8m0_to_f32
-from vllm.deepinfer.kv_record import (DATA_BYTES, HEAD_DIM, NOPE_DIM, NUM_SCALES, QUANT_BLOCK,
-                                      RECORD_BYTES, ROPE_DIM, SCALE_BYTES)
-
-FEATURE = "sparse_mla_decode"
+from vllm.deepinfer.kernels import shapes
+from vllm.deepinfer.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check, check_tensor
+from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM
 # Record geometry as kernel constants. A key row is built as [BLOCK_N, 8, 64]: the 7 NoPE
 # chunks of one UE8M0 scale each, then the RoPE tail, which is exactly one chunk wide.
-assert ROPE_DIM == QUANT_BLOCK and NUM_SCALES * QUANT_BLOCK == NOPE_DIM
-_D = tl.constexpr(HEAD_DIM)            # 512 columns per key row
-_NOPE = tl.constexpr(NOPE_DIM)         # 448 e4m3 columns, then bf16 RoPE
-_CHUNK = tl.constexpr(QUANT_BLOCK)     # 64 columns per UE8M0 scale
-_DATA = tl.constexpr(DATA_BYTES)       # 576 data bytes per record; a page's scales follow
-_SCALE = tl.constexpr(SCALE_BYTES)     # 8 scale bytes per record (7 + pad)
+from vllm.deepinfer.kv_record import TL_DATA_BYTES as _DATA  # 576; a page's scales follow
+from vllm.deepinfer.kv_record import TL_HEAD_DIM as _D  # 512 columns per key row
+from vllm.deepinfer.kv_record import TL_NOPE_DIM as _NOPE  # 448 e4m3 columns, then bf16
+from vllm.deepinfer.kv_record import TL_QUANT_BLOCK as _CHUNK  # 64 columns per UE8M0 scale
+from vllm.deepinfer.kv_record import TL_SCALE_BYTES as _SCALE  # 8 scale bytes (7 + pad)
+
+__all__ = ["sparse_attn_decode", "choose_num_splits", "launch_plan", "Tile", "TILES",
+           "REDUCE_UNROLL", "GATE_VARIANTS"]
+
+FEATURE = "sparse_mla_decode"
 # Softmax runs in the exp2 domain: scores and the sink are multiplied by log2(e) once.
 LOG2E = tl.constexpr(1.4426950408889634)
 # Finite "minus infinity" for masked scores and the running max (upstream's value): a row
@@ -342,43 +344,23 @@ def _sparse_mla_decode_reduce_kernel(
 
 
 # ----------------------------------------------------------------------------- host side
-def _check(ok: bool, name: str, what: str) -> None:
-    if not ok:
-        raise ValueError(f"sparse_attn_decode: {name}: {what}")
-
-
-def _check_tensor(t, name: str, dtypes: tuple, ndim: int, device) -> None:
-    _check(isinstance(t, torch.Tensor), name, f"expected a tensor, got {type(t).__name__}")
-    _check(t.dtype in dtypes, name, f"dtype {t.dtype}, expected one of {dtypes}")
-    _check(t.ndim == ndim, name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
-    _check(t.device == device, name, f"on {t.device}, expected {device} (q's device)")
-
-
-_INDEX_DTYPES = (torch.int32, torch.int64)
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BF16, _U8 = (torch.bfloat16,), (torch.uint8,)
 
 
 def _check_cache(cache, name: str, device) -> None:
-    _check_tensor(cache, name, (torch.uint8,), 3, device)
-    _check(cache.shape[2] == RECORD_BYTES and cache.stride(2) == 1
-           and cache.stride(1) == RECORD_BYTES, name,
-           f"expected [blocks, block_size, {RECORD_BYTES}] uint8 pages with contiguous "
-           f"records, got shape {tuple(cache.shape)} strides {cache.stride()}")
+    check_tensor(cache, name, dtypes=_U8, ndim=3, device=device)
+    check(cache.shape[2] == RECORD_BYTES and cache.stride(2) == 1
+          and cache.stride(1) == RECORD_BYTES, name,
+          lambda: f"expected [blocks, block_size, {RECORD_BYTES}] uint8 pages with contiguous "
+          f"records, got shape {tuple(cache.shape)} strides {cache.stride()}")
 
 
-def _ragged(indices, indptr, tokens: int, prefix: str, device):
-    _check_tensor(indices, f"{prefix}_indices", _INDEX_DTYPES, 1, device)
-    _check_tensor(indptr, f"{prefix}_indptr", _INDEX_DTYPES, 1, device)
-    _check(indptr.numel() == tokens + 1, f"{prefix}_indptr",
-           f"expected {tokens + 1} entries (tokens + 1), got {indptr.numel()}")
+def _ragged(indices, indptr, tokens: int, indices_name: str, indptr_name: str, device):
+    check_tensor(indices, indices_name, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    check_tensor(indptr, indptr_name, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    check(indptr.numel() == tokens + 1, indptr_name,
+          lambda: f"expected {tokens + 1} entries (tokens + 1), got {indptr.numel()}")
     return (indices.to(torch.int32).contiguous(), indptr.to(torch.int32).contiguous())
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # interpreter: one "SM", so the default never splits on CPU
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_num_splits(tokens: int, head_tiles: int, avg_keys: float, tile: Tile,
@@ -406,13 +388,6 @@ def launch_plan(tokens: int, heads: int, avg_keys: float, tile: Tile, sm_count: 
     return block_h, num_kv_splits
 
 
-def resolve_variant(variant: str | None) -> str:
-    name = arch.current().name if variant is None else variant
-    if name not in TILES:
-        raise ValueError(f"sparse_attn_decode: variant {name!r} is not one of {', '.join(TILES)}")
-    return name
-
-
 def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sink,
                        nope_head_dim, rope_head_dim, extra_cache=None, extra_indices=None,
                        extra_indptr=None, out=None, inv_rope_positions=None,
@@ -434,65 +409,69 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     (``choose_num_splits``); an int forces it (tests). ``variant``: tile/fp8 variant,
     None meaning ``arch.current().name``; "cpu" runs the sm80 code in the interpreter.
     """
-    name = resolve_variant(variant)
-    tile = TILES[name]
-    _check(isinstance(q, torch.Tensor), "q", "expected a tensor")
+    v = arch.resolve(variant, TILES)
+    tile = TILES[v.name]
+    check_tensor(q, "q", dtypes=_BF16, ndim=3)
     dev = q.device
-    _check_tensor(q, "q", (torch.bfloat16,), 3, dev)
-    _check(q.shape[2] == HEAD_DIM and q.stride(2) == 1, "q",
-           f"expected [tokens, heads, {HEAD_DIM}] with a contiguous last dim, got "
-           f"shape {tuple(q.shape)} strides {q.stride()}")
-    _check(nope_head_dim == NOPE_DIM, "nope_head_dim", f"must be {NOPE_DIM}, got {nope_head_dim}")
-    _check(rope_head_dim == ROPE_DIM, "rope_head_dim", f"must be {ROPE_DIM}, got {rope_head_dim}")
-    _check(isinstance(scale, (int, float)) and math.isfinite(scale), "scale",
-           f"expected a finite float, got {scale!r}")
+    check(q.shape[2] == HEAD_DIM and q.stride(2) == 1, "q",
+          lambda: f"expected [tokens, heads, {HEAD_DIM}] with a contiguous last dim, got "
+          f"shape {tuple(q.shape)} strides {q.stride()}")
+    check(nope_head_dim == NOPE_DIM, "nope_head_dim",
+          lambda: f"must be {NOPE_DIM}, got {nope_head_dim}")
+    check(rope_head_dim == ROPE_DIM, "rope_head_dim",
+          lambda: f"must be {ROPE_DIM}, got {rope_head_dim}")
+    check(isinstance(scale, (int, float)) and math.isfinite(scale), "scale",
+          lambda: f"expected a finite float, got {scale!r}")
     tokens, heads, _ = q.shape
     _check_cache(main_cache, "main_cache", dev)
-    main_indices, main_indptr = _ragged(main_indices, main_indptr, tokens, "main", dev)
-    extras = (extra_cache, extra_indices, extra_indptr)
+    main_indices, main_indptr = _ragged(main_indices, main_indptr, tokens, "main_indices",
+                                        "main_indptr", dev)
     has_extra = extra_cache is not None
-    _check(all((t is None) != has_extra for t in extras), "extra_cache/extra_indices/extra_indptr",
-           "give all three or none")
+    check((extra_indices is None) != has_extra and (extra_indptr is None) != has_extra,
+          "extra_cache/extra_indices/extra_indptr", "give all three or none")
     if has_extra:
         _check_cache(extra_cache, "extra_cache", dev)
-        extra_indices, extra_indptr = _ragged(extra_indices, extra_indptr, tokens, "extra", dev)
+        extra_indices, extra_indptr = _ragged(extra_indices, extra_indptr, tokens,
+                                              "extra_indices", "extra_indptr", dev)
     else:
         extra_cache, extra_indices, extra_indptr = main_cache, main_indices, main_indptr
     has_sink = attn_sink is not None
     if has_sink:
-        _check_tensor(attn_sink, "attn_sink", _FLOAT_DTYPES, 1, dev)
-        _check(attn_sink.numel() == heads, "attn_sink",
-               f"expected [{heads}] (one per head), got {tuple(attn_sink.shape)}")
+        check_tensor(attn_sink, "attn_sink", dtypes=FLOAT_DTYPES, ndim=1, device=dev)
+        check(attn_sink.numel() == heads, "attn_sink",
+              lambda: f"expected [{heads}] (one per head), got {tuple(attn_sink.shape)}")
         attn_sink = attn_sink.contiguous()
     inv_rope = inv_rope_positions is not None
-    _check((inv_rope_cos_sin_cache is not None) == inv_rope,
-           "inv_rope_positions/inv_rope_cos_sin_cache", "give both or neither")
+    check((inv_rope_cos_sin_cache is not None) == inv_rope,
+          "inv_rope_positions/inv_rope_cos_sin_cache", "give both or neither")
     if inv_rope:
-        _check_tensor(inv_rope_positions, "inv_rope_positions", _INDEX_DTYPES, 1, dev)
-        _check(inv_rope_positions.numel() == tokens, "inv_rope_positions",
-               f"expected [{tokens}], got {tuple(inv_rope_positions.shape)}")
-        _check_tensor(inv_rope_cos_sin_cache, "inv_rope_cos_sin_cache", _FLOAT_DTYPES, 2, dev)
-        _check(inv_rope_cos_sin_cache.shape[1] == ROPE_DIM
-               and inv_rope_cos_sin_cache.stride(1) == 1, "inv_rope_cos_sin_cache",
-               f"expected [positions, {ROPE_DIM}] = cos | sin with a contiguous last dim, "
-               f"got shape {tuple(inv_rope_cos_sin_cache.shape)}")
+        check_tensor(inv_rope_positions, "inv_rope_positions", dtypes=INDEX_DTYPES, ndim=1,
+                     device=dev)
+        check(inv_rope_positions.numel() == tokens, "inv_rope_positions",
+              lambda: f"expected [{tokens}], got {tuple(inv_rope_positions.shape)}")
+        check_tensor(inv_rope_cos_sin_cache, "inv_rope_cos_sin_cache", dtypes=FLOAT_DTYPES,
+                     ndim=2, device=dev)
+        check(inv_rope_cos_sin_cache.shape[1] == ROPE_DIM
+              and inv_rope_cos_sin_cache.stride(1) == 1, "inv_rope_cos_sin_cache",
+              lambda: f"expected [positions, {ROPE_DIM}] = cos | sin with a contiguous last "
+              f"dim, got shape {tuple(inv_rope_cos_sin_cache.shape)}")
         inv_rope_positions = inv_rope_positions.contiguous()
     if out is None:
         out = torch.empty(tokens, heads, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     else:
-        _check_tensor(out, "out", (torch.bfloat16,), 3, dev)
-        _check(tuple(out.shape) == tuple(q.shape) and out.stride(2) == 1, "out",
-               f"expected {tuple(q.shape)} with a contiguous last dim, got shape "
-               f"{tuple(out.shape)} strides {out.stride()}")
+        check_tensor(out, "out", dtypes=_BF16, ndim=3, device=dev)
+        check(out.shape == q.shape and out.stride(2) == 1, "out",
+              lambda: f"expected {tuple(q.shape)} with a contiguous last dim, got shape "
+              f"{tuple(out.shape)} strides {out.stride()}")
     if num_kv_splits is not None:
-        _check(isinstance(num_kv_splits, int) and num_kv_splits >= 1, "num_kv_splits",
-               f"expected an int >= 1, got {num_kv_splits!r}")
+        check(isinstance(num_kv_splits, int) and num_kv_splits >= 1, "num_kv_splits",
+              lambda: f"expected an int >= 1, got {num_kv_splits!r}")
     if tokens == 0 or heads == 0:
         return out
 
     # Average keys per token from the index sizes: no device sync, as upstream does.
     avg_keys = (main_indices.numel() + (extra_indices.numel() if has_extra else 0)) / tokens
-    block_h, num_kv_splits = launch_plan(tokens, heads, avg_keys, tile, _sm_count(dev),
+    block_h, num_kv_splits = launch_plan(tokens, heads, avg_keys, tile, arch.sm_count(dev),
                                          num_kv_splits)
     head_tiles = triton.cdiv(heads, block_h)
     split = num_kv_splits > 1
@@ -507,7 +486,6 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     pos_arg = inv_rope_positions if inv_rope else main_indptr
     cs_arg = inv_rope_cos_sin_cache if inv_rope else out
     cs_stride = inv_rope_cos_sin_cache.stride(0) if inv_rope else 0
-    hw_fp8 = arch.VARIANTS[name].hw_fp8
     # 16-byte vector loads of the records need 16-byte aligned rows: 576 * pos is, the page
     # base is when the cache pointer and the page stride are.
     aligned = all(c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0
@@ -522,7 +500,7 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
         cs_stride,
         float(scale) * LOG2E.value, heads, num_kv_splits,
         HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope and not split,
-        HW_FP8=hw_fp8, DOT_FP32=arch.interpreting(), ALIGNED=aligned,
+        HW_FP8=v.hw_fp8, DOT_FP32=arch.interpreting(), ALIGNED=aligned,
         MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1], BLOCK_H=block_h, BLOCK_N=tile.block_n,
         PREFETCH=tile.prefetch, num_warps=tile.num_warps, num_stages=tile.num_stages)
     if split:
@@ -557,9 +535,9 @@ _REDUCE_SIG = {
 }
 # Variants the gate builds ("sm80" also covers sm_86; sm86's tile is sm80's).
 GATE_VARIANTS = ("sm80", "sm89", "sm90", "sm100")
-# Block sizes the gate builds with (constexpr in the kernel): SWA pages of 32 tokens,
-# compressed pages of 128 tokens (64 on SM90; the tile's shared memory does not depend on it).
-GATE_SWA_PAGE, GATE_COMPRESSED_PAGE = 32, 128
+# Block sizes the gate builds with (constexpr in the kernel): the production SWA and SM80
+# compressed pages (64 on SM90; the tile's shared memory does not depend on it).
+GATE_SWA_PAGE, GATE_COMPRESSED_PAGE = shapes.SWA_PAGE, shapes.COMPRESSED_PAGE["sm80"]
 # Split-count bucket the gate builds the reduce with (512 + 128 keys in 64-key tiles: <= 16).
 GATE_SPLITS_P2 = 16
 

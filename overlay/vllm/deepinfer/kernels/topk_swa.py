@@ -39,6 +39,10 @@ import triton
 import triton.language as tl
 
 from vllm.deepinfer import arch, compile_gate
+from vllm.deepinfer.kernels.checks import check, check_tensor
+
+__all__ = ["combine_topk_swa_indices", "combined_width", "compile_keys", "CombineKey",
+           "CombineTile", "TILES", "ROW_ALIGN"]
 
 # FlashMLA sparse prefill asserts topk % B_TOPK == 0 with B_TOPK 64 or 128 (upstream pads
 # the combined row to 128 for both); the width must match upstream's exactly.
@@ -140,98 +144,53 @@ def _vec(topk_width: int) -> int:
 
 
 def _tile(width: int, variant: str | None) -> CombineTile:
-    name = variant if variant is not None else arch.current().name
-    if name not in TILES:
-        raise ValueError(f"variant {name!r} is not one of {', '.join(TILES)}")
-    return next(t for t in TILES[name] if width <= t.max_width)
-
-
-def _inputs_ok(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
-               compress_ratio, topk, M, N, out, width) -> bool:
-    """Every condition of ``_validate`` and of the ``out`` check in one expression, with no
-    message built: the per-call check; the detailed checks run only when it says False (they
-    took ~15-20 us per call on the H200 host, beside Triton's ~40 us launch)."""
-    try:
-        tsh = topk_indices.shape
-        n = seq_lens.shape[0]
-        dev = topk_indices.device
-        ok = (topk_indices.dtype is torch.int32 and len(tsh) == 2
-              and (tsh[1] <= 1 or topk_indices.stride(1) == 1)
-              and seq_lens.dtype is torch.int32 and seq_lens.dim() == 1
-              and seq_lens.is_contiguous()
-              and query_start_loc.dtype is torch.int32 and query_start_loc.dim() == 1
-              and query_start_loc.shape[0] == n + 1 and query_start_loc.is_contiguous()
-              and gather_lens.dtype is torch.int32 and gather_lens.dim() == 1
-              and gather_lens.shape[0] == n and gather_lens.is_contiguous()
-              and window_size >= 1 and compress_ratio >= 0 and topk >= 0
-              and (compress_ratio == 0 or topk <= tsh[1])
-              and 0 <= M <= _INT32_MAX and 0 <= N <= _INT32_MAX
-              and query_start_loc.device == dev and seq_lens.device == dev
-              and gather_lens.device == dev)
-        if ok and out is not None:
-            ci, cl = out
-            ok = (ci.dtype is torch.int32 and ci.dim() == 2 and ci.shape[0] == tsh[0]
-                  and ci.shape[1] == width and ci.stride(1) == 1 and ci.device == dev
-                  and cl.dtype is torch.int32 and cl.dim() == 1 and cl.shape[0] == tsh[0]
-                  and cl.is_contiguous() and cl.device == dev)
-        return ok
-    except (AttributeError, IndexError, TypeError, ValueError):
-        return False
+    return next(t for t in TILES[arch.table_key(variant, TILES)] if width <= t.max_width)
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_config(topk_width: int, width: int, variant: str):
+def _launch_config(topk_width: int, width: int, variant: str | None):
     """(VEC, tile) for a call: pure functions of these, cached (host time)."""
     vec = _vec(topk_width)
     return vec, _tile(width if vec == _VEC else _SCALAR_WIDTH, variant)
 
 
-def _validate(topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
-              topk, M, N, out, width):
-    # Messages are built only on failure (lambdas); the per-call check is _inputs_ok, and
-    # this runs only when that says False.
-    def need(cond, name, what):
-        if not cond:
-            raise ValueError(f"{name}: {what() if callable(what) else what}")
+_I32 = (torch.int32,)
 
-    need(topk_indices.dim() == 2 and topk_indices.dtype == torch.int32
-         and (topk_indices.shape[1] <= 1 or topk_indices.stride(1) == 1), "topk_indices",
-         lambda: f"expected int32 [num_tokens, width] with contiguous rows, got {topk_indices.dtype} "
-         f"{tuple(topk_indices.shape)} strides {topk_indices.stride()}")
-    need(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
-         "seq_lens", lambda: f"expected contiguous int32 [num_reqs], got {seq_lens.dtype} "
-         f"{tuple(seq_lens.shape)}")
+
+def _check_inputs(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
+                  compress_ratio, topk, M, N, out, width) -> None:
+    """The launcher's checks (messages formatted only on failure, kernels/checks.py)."""
+    check_tensor(topk_indices, "topk_indices", _I32, 2)
+    dev = topk_indices.device
+    tsh = topk_indices.shape
+    check(tsh[1] <= 1 or topk_indices.stride(1) == 1, "topk_indices",
+          lambda: f"expected int32 [num_tokens, width] with contiguous rows, got "
+          f"{tuple(tsh)} strides {topk_indices.stride()}")
+    check_tensor(seq_lens, "seq_lens", _I32, 1, dev, True)
     num_reqs = seq_lens.shape[0]
-    need(query_start_loc.dtype == torch.int32 and tuple(query_start_loc.shape) == (num_reqs + 1,)
-         and query_start_loc.is_contiguous(), "query_start_loc",
-         lambda: f"expected contiguous int32 [{num_reqs + 1}], got {query_start_loc.dtype} "
-         f"{tuple(query_start_loc.shape)}")
-    need(gather_lens.dtype == torch.int32 and tuple(gather_lens.shape) == (num_reqs,)
-         and gather_lens.is_contiguous(), "gather_lens",
-         lambda: f"expected contiguous int32 [{num_reqs}], got {gather_lens.dtype} "
-         f"{tuple(gather_lens.shape)}")
-    need(window_size >= 1, "window_size", lambda: f"must be >= 1, got {window_size}")
-    need(compress_ratio >= 0, "compress_ratio", lambda: f"must be >= 0, got {compress_ratio}")
-    need(topk >= 0, "topk", lambda: f"must be >= 0, got {topk}")
-    need(compress_ratio == 0 or topk <= topk_indices.shape[1], "topk",
-         lambda: f"{topk} is wider than topk_indices ({topk_indices.shape[1]} columns)")
-    need(0 <= M <= _INT32_MAX and 0 <= N <= _INT32_MAX, "M/N", lambda: f"must fit int32, got M={M} N={N}")
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-                    ("gather_lens", gather_lens)):
-        need(t.device == topk_indices.device, name,
-             lambda: f"on {t.device}, topk_indices on {topk_indices.device}")
+    check_tensor(query_start_loc, "query_start_loc", _I32, 1, dev, True)
+    check(query_start_loc.shape[0] == num_reqs + 1, "query_start_loc",
+          lambda: f"expected int32 [{num_reqs + 1}], got {tuple(query_start_loc.shape)}")
+    check_tensor(gather_lens, "gather_lens", _I32, 1, dev, True)
+    check(gather_lens.shape[0] == num_reqs, "gather_lens",
+          lambda: f"expected int32 [{num_reqs}], got {tuple(gather_lens.shape)}")
+    check(window_size >= 1, "window_size", lambda: f"must be >= 1, got {window_size}")
+    check(compress_ratio >= 0, "compress_ratio", lambda: f"must be >= 0, got {compress_ratio}")
+    check(0 <= topk and (compress_ratio == 0 or topk <= tsh[1]), "topk",
+          lambda: f"{topk} is negative or wider than topk_indices ({tsh[1]} columns)")
+    check(0 <= M <= _INT32_MAX and 0 <= N <= _INT32_MAX, "M/N",
+          lambda: f"must fit int32, got M={M} N={N}")
     if out is None:
         return
     ci, cl = out
-    num_tokens, dev = topk_indices.shape[0], topk_indices.device
-    need(ci.dtype == torch.int32 and ci.dim() == 2 and tuple(ci.shape) == (num_tokens, width)
-         and ci.stride(1) == 1 and ci.device == dev, "out[0] (combined_indices)",
-         lambda: f"expected int32 [{num_tokens}, {width}] with contiguous rows on {dev}, got "
-         f"{ci.dtype} {tuple(ci.shape)} strides {ci.stride()}")
-    need(cl.dtype == torch.int32 and tuple(cl.shape) == (num_tokens,) and cl.is_contiguous()
-         and cl.device == dev, "out[1] (combined_lens)",
-         lambda: f"expected contiguous int32 [{num_tokens}] on {dev}, got {cl.dtype} "
-         f"{tuple(cl.shape)}")
+    check_tensor(ci, "out[0] (combined_indices)", _I32, 2, dev)
+    check(ci.shape[0] == tsh[0] and ci.shape[1] == width and ci.stride(1) == 1,
+          "out[0] (combined_indices)",
+          lambda: f"expected int32 [{tsh[0]}, {width}] with contiguous rows, got "
+          f"{tuple(ci.shape)} strides {ci.stride()}")
+    check_tensor(cl, "out[1] (combined_lens)", _I32, 1, dev, True)
+    check(cl.shape[0] == tsh[0], "out[1] (combined_lens)",
+          lambda: f"expected int32 [{tsh[0]}], got {tuple(cl.shape)}")
 
 
 def combine_topk_swa_indices(
@@ -257,9 +216,7 @@ def combine_topk_swa_indices(
     process's variant).
     """
     width = combined_width(topk, window_size)
-    if not _inputs_ok(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
-                      compress_ratio, topk, M, N, out, width):
-        _validate(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
+    _check_inputs(topk_indices, query_start_loc, seq_lens, gather_lens, window_size,
                   compress_ratio, topk, M, N, out, width)
     num_tokens = topk_indices.shape[0]
     vec, tile = _launch_config(topk_indices.shape[1], width,
@@ -306,9 +263,7 @@ def compile_keys(window_size: int, compress_ratios, topk: int,
     1 with top-k 0). Ratio 0 rows are round_up(window, 128) wide, ratios 1-4 rows
     round_up(topk + window, 128); a C128A (ratio >= 128) row's top-k width is the batch's
     active width, 128 .. topk in steps of 128, so every row width in that range counts."""
-    name = variant if variant is not None else arch.current().name
-    if name not in TILES:
-        raise ValueError(f"variant {name!r} is not one of {', '.join(TILES)}")
+    name = arch.table_key(variant, TILES)
     vec = _vec(topk)
     widths: set[int] = set()
     for r in {int(r) for r in compress_ratios}:

@@ -24,6 +24,9 @@ from vllm.deepinfer import envs, routing
 logger = logging.getLogger("vllm.deepinfer")
 
 FEATURE = "mhc"
+# The Ampere geometry and the tensor-core projection: off by default until the mhc suite has
+# measured them on a GPU (DEEPINFER_MHC_TUNED=1 turns them on; docs/mhc.md).
+TUNED_FEATURE = "mhc_tuned"
 # TileLang's prenorm GEMM gives each thread K / n_thr elements; its launcher picks
 # n_thr = 512 (1024 under 128 tokens when K % 1024 == 0) and asserts K % n_thr == 0.
 PRENORM_K_MULTIPLE = 512
@@ -109,22 +112,18 @@ def broadcast_prenorm_gemm(x, fn_broadcast, deep_gemm_supported: bool):
 TC_MIN_TOKENS = 16
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    import torch
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device) -> int:
     import torch
-    return _sm_count(torch.device(device).index or 0)
+    from vllm.deepinfer import arch
+    return arch.sm_count(torch.device(device))
 
 
 def projection_on_tc(num_tokens: int, k: int, n_out: int, deep_gemm_supported: bool) -> bool:
     """Whether the projection of ``num_tokens`` rows of ``k`` columns runs on our
     tensor-core GEMM (the mhc feature on, or DeepGEMM absent; enough tokens; a shape the
     kernel tiles)."""
-    if num_tokens < TC_MIN_TOKENS or not first_layer_on_tilelang(deep_gemm_supported):
+    if (num_tokens < TC_MIN_TOKENS or not routing.use(TUNED_FEATURE)
+            or not first_layer_on_tilelang(deep_gemm_supported)):
         return False
     from vllm.deepinfer.mhc import kernels
     return kernels.supported(k, n_out)
@@ -172,7 +171,7 @@ def fused_post_pre_config(num_tokens: int, hidden_size: int, hc_mult: int):
     """Patch 0031: the Ampere ``(tile_n, n_splits, n_thr)`` of the fused post + pre-norm GEMM,
     None (no fused kernel at this token count), or ``UPSTREAM``."""
     bands = FUSED_GEOMETRY.get(hidden_size)
-    if bands is None or hc_mult != 4 or not routing.use(FEATURE):
+    if bands is None or hc_mult != 4 or not routing.use(FEATURE) or not routing.use(TUNED_FEATURE):
         return UPSTREAM
     for max_tokens, (tile_n, n_splits, n_thr) in bands:
         if num_tokens <= max_tokens:

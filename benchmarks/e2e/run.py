@@ -1,0 +1,247 @@
+"""One vLLM engine, one mode: serve a model and write what it produced (and, for the
+A100-faithful mode, the sm_80 audit) to JSON. Run once per mode: the mode's environment must
+be set before vLLM is imported, so every mode is its own process (benchmarks/e2e/e2e.py runs
+them all).
+
+    python benchmarks/e2e/run.py --model DIR --mode a100 --task agree --out F.json [--eager]
+
+Modes (the overlay must be installed into the vLLM this python imports):
+  a100      DEEPINFER_EMULATE_CAPABILITY=8.0: vLLM selects every kernel as on an A100
+            (Marlin linears and MoE, no FlashMLA/DeepGEMM/CuTeDSL, our attention class with
+            its sm80 kernels); the kernels run on this GPU.
+  sm90      our attention path with its sm90 kernels on the real capability
+            (DEEPINFER_AMPERE_ATTN=1 DEEPINFER_ARCH=sm90).
+  upstream  every DeepInfer feature off (DEEPINFER_DISABLE=all): upstream's own path
+            (on Hopper: FlashMLA + DeepGEMM).
+Tasks:
+  agree     greedy generation with top-K logprobs of prompt and generated tokens
+  tput      decode tokens/s at several batch sizes and prefill tokens/s at several lengths
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+MODES = {
+    "a100": {"DEEPINFER_EMULATE_CAPABILITY": "8.0"},
+    "sm90": {"DEEPINFER_AMPERE_ATTN": "1", "DEEPINFER_ARCH": "sm90"},
+    "upstream": {"DEEPINFER_DISABLE": "all"},
+}
+# Prompt lengths for agreement: a short one, one past the 128-token SWA window, one whose
+# compressed context (ratio 1: L, ratio 2: L/2 entries) exceeds top-k 512 so the indexer
+# selects, and long ones that chunked prefill splits (max_num_batched_tokens below).
+AGREE_LENS = (7, 300, 1500, 5000, 16000)
+CHUNK = 2048          # max_num_batched_tokens: prompts over it are prefilled in chunks
+TOPK_LOGPROBS = 20
+
+
+def prompts(lens, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    # Away from the special ids at both ends of the vocabulary.
+    return [torch.randint(100, vocab - 100, (n,), generator=g).tolist() for n in lens]
+
+
+def _top(lp_dict) -> tuple[int, float]:
+    tok = max(lp_dict, key=lambda t: lp_dict[t].logprob)
+    return tok, lp_dict[tok].logprob
+
+
+def agree(llm, vocab: int, args) -> dict:
+    from vllm import SamplingParams
+    ps = prompts(args.lens, vocab, args.seed)
+    sp = SamplingParams(max_tokens=args.gen, temperature=0.0, logprobs=TOPK_LOGPROBS,
+                        prompt_logprobs=TOPK_LOGPROBS, detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    rows = []
+    for p, o in zip(ps, outs):
+        plp = o.prompt_logprobs or []
+        prompt_pos = []
+        for i in range(1, len(p)):
+            d = plp[i] if i < len(plp) else None
+            if not d:
+                continue
+            top_tok, top_lp = _top(d)
+            prompt_pos.append([top_tok, top_lp, d[p[i]].logprob if p[i] in d else None])
+        c = o.outputs[0]
+        gen = []
+        for tok, d in zip(c.token_ids, c.logprobs or []):
+            gen.append([tok, d[tok].logprob,
+                        sorted(((t, v.logprob) for t, v in d.items()), key=lambda x: -x[1])])
+        rows.append(dict(prompt_len=len(p), prompt=prompt_pos, generated=gen))
+    return dict(seconds=dt, prompts=rows)
+
+
+def _timed_generate(llm, ps, max_tokens):
+    from vllm import SamplingParams
+    import torch
+    sp = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0,
+                        ignore_eos=True, detokenize=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def tput(llm, vocab: int, args) -> list[dict]:
+    rows = []
+    warm = prompts([256] * 2, vocab, 1)
+    _timed_generate(llm, warm, 8)
+    for b in args.batches:
+        ps = prompts([args.decode_prompt] * b, vocab, 100 + b)
+        t_pre = min(_timed_generate(llm, ps, 1) for _ in range(2))
+        t_all = min(_timed_generate(llm, ps, args.decode_tokens) for _ in range(2))
+        tok = b * (args.decode_tokens - 1)
+        rows.append(dict(phase="decode", batch=b, prompt_len=args.decode_prompt,
+                         tokens=tok, seconds=t_all - t_pre, tokens_per_s=tok / (t_all - t_pre)))
+        print(f"decode batch {b}: {rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
+    for n in args.prefill_lens:
+        ps = prompts([n], vocab, 200 + n)
+        t = min(_timed_generate(llm, ps, 1) for _ in range(2))
+        rows.append(dict(phase="prefill", batch=1, prompt_len=n, tokens=n, seconds=t,
+                         tokens_per_s=n / t))
+        print(f"prefill {n}: {rows[-1]['tokens_per_s']:.1f} tok/s", flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--mode", choices=sorted(MODES), required=True)
+    ap.add_argument("--task", choices=("agree", "tput"), default="agree")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile, "
+                    "no CUDA graphs); the sm_80 audit runs only in this form")
+    ap.add_argument("--audit", action="store_true", help="record and check what ran (a100)")
+    ap.add_argument("--gen", type=int, default=32, help="generated tokens per prompt (agree)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=16384 + 256)
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64])
+    ap.add_argument("--decode-prompt", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prefill-lens", type=int, nargs="*", default=[1024, 8192, 32768])
+    ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--dummy", action="store_true", help="vLLM's dummy weights (no checkpoint)")
+    ap.add_argument("--lens", type=int, nargs="*", default=list(AGREE_LENS),
+                    help="prompt lengths for agree")
+    args = ap.parse_args()
+
+    os.environ.update(MODES[args.mode])
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")   # no flashinfer in the kit
+    # DeepGEMM's JIT warmup compiles ~600 kernels in the upstream mode (over 4 minutes for
+    # v4-mini on the H200); skipped, they compile on first use. Numerics are unchanged.
+    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"          # engine in this process
+    rec = None
+    if args.audit:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from audit import Recorder
+        rec = Recorder().install()
+
+    import torch
+    import vllm
+    from vllm import LLM
+    with open(os.path.join(args.model, "config.json")) as f:
+        cfg = json.load(f)
+    vocab = (cfg.get("text_config") or cfg)["vocab_size"]
+    t0 = time.perf_counter()
+    # Engram builds its n-gram token map from the model's tokenizer (the checkpoint writer
+    # ships a word-level one when the model has Engram layers); otherwise skip it.
+    has_tok = any(os.path.exists(os.path.join(args.model, f))
+                  for f in ("tokenizer.json", "tokenizer_config.json"))
+    # Engines run side by side (e2e.py --parallel): vLLM's memory profiling fails when another
+    # process releases GPU memory meanwhile, so start-up and exit take one lock in turn.
+    gate = _EngineGate()
+    gate.acquire()
+    llm = LLM(model=args.model, skip_tokenizer_init=not has_tok, language_model_only=True,
+              enforce_eager=args.eager, max_model_len=args.max_model_len,
+              max_num_batched_tokens=CHUNK, enable_chunked_prefill=True,
+              gpu_memory_utilization=args.gpu_mem, max_num_seqs=max(64, *args.batches),
+              seed=args.seed, enable_prefix_caching=False,
+              load_format="dummy" if args.dummy else "auto")
+    load_s = time.perf_counter() - t0
+    gate.release()
+    from vllm.platforms import current_platform
+    from vllm.deepinfer import arch
+    result = dict(mode=args.mode, task=args.task, eager=args.eager, model=args.model,
+                  model_config=cfg, load_seconds=load_s,
+                  env={k: os.environ.get(k) for k in sorted(os.environ)
+                       if k.startswith(("DEEPINFER_", "VLLM_"))},
+                  gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  vllm=vllm.__version__, capability_seen_by_vllm=list(
+                      current_platform.get_device_capability()),
+                  deepinfer_variant=arch.current().name,
+                  commit=os.environ.get("DEEPINFER_COMMIT", ""))
+    import triton
+    result["triton"] = triton.__version__
+    if rec is not None:
+        ctx = rec.serving()
+        ctx.__enter__()
+    try:
+        if args.task == "agree":
+            result.update(agree(llm, vocab, args))
+        else:
+            result["rows"] = tput(llm, vocab, args)
+    finally:
+        if rec is not None:
+            ctx.__exit__(None, None, None)
+    if rec is not None:
+        from audit import check
+        result["audit"] = check(rec)
+        result["selections"] = selections(llm)
+        print("audit failed:", result["audit"]["failed"] or "none", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    print(f"{args.mode} {args.task}: load {load_s:.1f}s -> {args.out}", flush=True)
+    gate.acquire()  # held until this process is gone and its GPU memory with it
+    os._exit(0)
+
+
+class _EngineGate:
+    """An exclusive file lock shared by the engines of one machine (see its use in main)."""
+    PATH = os.environ.get("E2E_ENGINE_LOCK", "/tmp/deepinfer-e2e-engine.lock")
+
+    def __init__(self):
+        self.f = open(self.PATH, "a")
+
+    def acquire(self):
+        import fcntl
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+
+    def release(self):
+        import fcntl
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+
+
+def selections(llm) -> dict:
+    """Which classes vLLM chose for attention, linears and MoE (module type names)."""
+    out: dict = {}
+
+    def visit(model):
+        import collections
+        kinds = collections.Counter()
+        for name, mod in model.named_modules():
+            qm = getattr(mod, "quant_method", None)
+            if qm is not None:
+                kinds[f"{type(mod).__name__}:{type(qm).__name__}"] += 1
+            if "Attention" in type(mod).__name__ and name.count(".") <= 4:
+                kinds[f"attention:{type(mod).__name__}"] += 1
+            kernel = getattr(mod, "kernel", None) or getattr(qm, "kernel", None)
+            if kernel is not None and not isinstance(kernel, (int, str)):
+                kinds[f"kernel:{type(kernel).__name__}"] += 1
+        return dict(kinds)
+    try:
+        out = llm.apply_model(visit)[0]
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
