@@ -66,14 +66,29 @@ def sh(cmd: list[str], log: Path, env=None, timeout=None) -> int:
     return rc
 
 
-def make_checkpoints(work: Path, names) -> None:
+def dense_routing(cfg_dir: Path) -> list[str]:
+    """--set overrides that route every token to every expert.
+
+    With random weights the router's top-k sits on near-ties, so a rounding difference
+    anywhere upstream flips an expert choice and the run diverges: upstream's own eager and
+    CUDA-graph runs of v41-mini agreed on only 90% of top-1 tokens with top-2 of 8 experts
+    (h200-2026-12-01-e2e-814f4ac.json). With all experts selected the MoE is a continuous
+    function of its input (Marlin MoE still runs, with top-k = all), so agreement measures the
+    kernels, not the routing's discontinuity. --sparse-routing keeps the configs' top-k."""
+    text = json.load(open(cfg_dir / "config.json"))
+    text = text.get("text_config", text)
+    return ["--set", f"num_experts_per_tok={text['n_routed_experts']}"]
+
+
+def make_checkpoints(work: Path, names, dense: bool) -> None:
     for name in names:
         cfg, fmt = MODELS[name]
         out = work / f"{name}-{fmt}"
         if (out / "config.json").exists():
             continue
+        extra = dense_routing(HERE / "configs" / cfg) if dense and name in AGREE_MODELS else []
         sh([sys.executable, str(REPO / "tools" / "make_checkpoint.py"),
-            str(HERE / "configs" / cfg), "--format", fmt, "--out", str(out)],
+            str(HERE / "configs" / cfg), "--format", fmt, "--out", str(out), *extra],
            work / f"ckpt-{name}.log")
 
 
@@ -97,6 +112,8 @@ def main() -> int:
     ap.add_argument("--steps", default="ckpt,agree,graphs,tput,nocompile")
     ap.add_argument("--parallel", type=int, default=3, help="agreement engines at once")
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer shapes")
+    ap.add_argument("--sparse-routing", action="store_true",
+                    help="agreement checkpoints keep the configs' expert top-k (see dense_routing)")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args()
     work = Path(args.work)
@@ -107,7 +124,8 @@ def main() -> int:
         agree_extra += ["--lens", "7", "300", "1500", "5000", "--gen", "16"]
 
     if "ckpt" in steps:
-        make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()))
+        make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()),
+                         dense=not args.sparse_routing)
     if "nocompile" in steps:
         for name in AGREE_MODELS:
             cfg, fmt = MODELS[name]

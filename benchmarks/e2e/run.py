@@ -146,6 +146,9 @@ def main() -> int:
 
     os.environ.update(MODES[args.mode])
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")   # no flashinfer in the kit
+    # DeepGEMM's JIT warmup compiles ~600 kernels in the upstream mode (over 4 minutes for
+    # v4-mini on the H200); skipped, they compile on first use. Numerics are unchanged.
+    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"          # engine in this process
     rec = None
     if args.audit:
@@ -169,6 +172,10 @@ def main() -> int:
         if args.eager:
             ap.error("--jit-warmup and --eager exclude each other (--eager turns the warmup off)")
         eager_kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "NONE"}
+    # Engines run side by side (e2e.py --parallel): vLLM's memory profiling fails when another
+    # process releases GPU memory meanwhile, so start-up and exit take one lock in turn.
+    gate = _EngineGate()
+    gate.acquire()
     llm = LLM(model=args.model, skip_tokenizer_init=not has_tok, language_model_only=True,
               **eager_kw, max_model_len=args.max_model_len,
               max_num_batched_tokens=CHUNK, enable_chunked_prefill=True,
@@ -176,6 +183,7 @@ def main() -> int:
               seed=args.seed, enable_prefix_caching=False,
               load_format="dummy" if args.dummy else "auto")
     load_s = time.perf_counter() - t0
+    gate.release()
     from vllm.platforms import current_platform
     from vllm.deepinfer import arch
     result = dict(mode=args.mode, task=args.task, eager=args.eager or args.jit_warmup,
@@ -211,7 +219,24 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f)
     print(f"{args.mode} {args.task}: load {load_s:.1f}s -> {args.out}", flush=True)
-    return 0
+    gate.acquire()  # held until this process is gone and its GPU memory with it
+    os._exit(0)
+
+
+class _EngineGate:
+    """An exclusive file lock shared by the engines of one machine (see its use in main)."""
+    PATH = os.environ.get("E2E_ENGINE_LOCK", "/tmp/deepinfer-e2e-engine.lock")
+
+    def __init__(self):
+        self.f = open(self.PATH, "a")
+
+    def acquire(self):
+        import fcntl
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+
+    def release(self):
+        import fcntl
+        fcntl.flock(self.f, fcntl.LOCK_UN)
 
 
 def selections(llm) -> dict:
