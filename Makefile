@@ -15,7 +15,7 @@ JOBS     ?= auto
 export DEEPINFER_BUILD := $(abspath $(BUILD))
 
 .PHONY: help venv upstream upstream-kernels patched combined combined-check overlay apply refresh \
-        check-tree gate verify verify-exact test bench charts clean e2e
+        check-tree gate verify verify-exact test bench gate-mhc charts clean e2e
 
 help:
 	@echo "make verify   fetch vLLM 0.33.0, apply the series, build the combined patch and overlay,"
@@ -25,7 +25,7 @@ help:
 	@echo "make check-tree TREE=path           is TREE patched exactly as the series says?"
 	@echo "make refresh TREE=path              regenerate the patches from an edited tree"
 	@echo "make patched  build/patched: the sdist with the series applied (tests/test_vllm_import.py)"
-	@echo "make combined | combined-check | overlay | gate | bench | charts"
+	@echo "make combined | combined-check | overlay | gate | gate-mhc | bench | charts"
 
 # requirements-vllm-import.txt: the pure-Python packages importing the patched vLLM model
 # modules needs (never vLLM itself); torch==2.13.0 stays on the pip line so no CUDA torch
@@ -71,6 +71,12 @@ refresh:
 gate: venv
 	env -u TRITON_INTERPRET PYTHONPATH=overlay $(PY) -m vllm.deepinfer.compile_gate --json $(BUILD)/gate.json
 
+# mHC TileLang kernels for sm_80/sm_86 (vllm.deepinfer.mhc.gate): imports vLLM's mHC kernels
+# from the patched tree; TileLang caches builds in $(BUILD)/tilelang-cache.
+gate-mhc: venv $(BUILD)/patched/.ok
+	env -u TRITON_INTERPRET CUDA_VISIBLE_DEVICES= PYTHONPATH=$(BUILD)/patched \
+		$(PY) -m vllm.deepinfer.mhc.gate --json $(BUILD)/gate-mhc.json
+
 # The patched tree: a scratch copy of the pristine sdist with the series applied and our
 # package copied in as vllm/deepinfer; tests/test_vllm_import.py imports vLLM from it.
 patched: $(BUILD)/patched/.ok
@@ -84,7 +90,7 @@ EXACT_TESTS := tests/test_fp8.py tests/test_kv_gather.py tests/test_topk_swa.py 
                tests/test_sparse_mla_decode.py tests/test_fp8_writers.py \
                tests/test_fp8_writers_v4_compress.py
 
-verify-exact: venv upstream-kernels $(BUILD)/patched/.ok combined-check overlay gate
+verify-exact: venv upstream-kernels $(BUILD)/patched/.ok combined-check overlay gate gate-mhc
 	DEEPINFER_REQUIRE_UPSTREAM=1 $(PY) -m pytest -q -n $(JOBS) $(wildcard $(EXACT_TESTS))
 
 # The OK line is a recipe of its own: under .ONESHELL make echoes a whole recipe before
@@ -114,4 +120,4 @@ $(BUILD)/overlay/MANIFEST.json:
 	$(MAKE) overlay
 
 clean:
-	rm -rf $(BUILD)/patched $(BUILD)/overlay $(KERNELS) $(BUILD)/gate.json
+	rm -rf $(BUILD)/patched $(BUILD)/overlay $(KERNELS) $(BUILD)/gate.json $(BUILD)/gate-mhc.json

@@ -28,6 +28,8 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
         if r.get("ours_us") is not None:
             by_kernel[r["kernel"]].append(r)
     written = []
+    if "yoco" in by_kernel:
+        written.append(chart_yoco(by_kernel.pop("yoco"), meta, out_dir / f"{path.stem}-yoco.png"))
     for kernel, rs in by_kernel.items():
         labels = list(dict.fromkeys(_label(r["shape"]) for r in rs))
         variants = list(dict.fromkeys(r["variant"] for r in rs))
@@ -58,6 +60,40 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(out)
     return written
+
+
+def chart_yoco(rs: list[dict], meta: dict, out: Path) -> Path:
+    """Cross-layer reuse: step time off/on per shape and variant (left), kernel launches per
+    step off/on (right)."""
+    import matplotlib.pyplot as plt
+    labels = list(dict.fromkeys(_label(r["shape"]) for r in rs))
+    variants = list(dict.fromkeys(r["variant"] for r in rs))
+    fig, (ax_t, ax_n) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(labels) + 4), 4.8))
+    width = 0.8 / (2 * len(variants))
+    xs = range(len(labels))
+    for i, v in enumerate(variants):
+        by = {_label(r["shape"]): r for r in rs if r["variant"] == v}
+        for j, (mode, hatch) in enumerate((("off", ""), ("on", "//"))):
+            k = 2 * i + j
+            pos = [x - 0.4 + width * (k + 0.5) for x in xs]
+            ax_t.bar(pos, [by[lab][f"us_{mode}"] if lab in by else 0 for lab in labels], width,
+                     hatch=hatch, label=f"{v} reuse {mode}", color=f"C{i}", alpha=0.55 + 0.45 * j)
+            ax_n.bar(pos, [by[lab][f"launches_{mode}"] if lab in by else 0 for lab in labels],
+                     width, hatch=hatch, label=f"{v} reuse {mode}", color=f"C{i}",
+                     alpha=0.55 + 0.45 * j)
+    for ax, what in ((ax_t, "µs per step (median, eager)"), (ax_n, "CUDA kernels per step")):
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel(what)
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"DeepSeek-V4.1 attention, 40 layers, cross-layer metadata reuse — {meta['gpu']} "
+                 f"(torch {meta['torch']}, triton {meta['triton']})", fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def main(argv=None) -> int:

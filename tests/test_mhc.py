@@ -13,10 +13,36 @@ from pathlib import Path
 import pytest
 
 from vllm.deepinfer import envs, mhc, routing
-from test_vllm_import import REQUIRE, _probe_env, _unavailable
+from test_vllm_import import REQUIRE, _unavailable
+from test_vllm_import import _probe_env as _base_probe_env
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).with_name("mhc_vllm_probe.py")
+
+
+def _probe_env() -> dict[str, str]:
+    """The probes test the Ampere geometry and tensor-core projection as designed: with the
+    (default-off, unmeasured) mhc_tuned feature on."""
+    return dict(_base_probe_env(), DEEPINFER_MHC_TUNED="1")
+
+
+@pytest.fixture(autouse=True)
+def _tuned_on(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_MHC_TUNED", "1")
+    routing.reset()
+    yield
+    routing.reset()
+
+
+def test_tuned_paths_are_off_by_default(monkeypatch):
+    """Until measured on a GPU, the Ampere geometry and the tensor-core projection stay
+    upstream's (the first-layer fix without DeepGEMM stays on)."""
+    monkeypatch.delenv("DEEPINFER_MHC_TUNED")
+    monkeypatch.setenv("DEEPINFER_ARCH", "sm80")
+    routing.reset()
+    assert not any(envs.enabled("mhc_tuned", v) for v in envs.FEATURES["mhc"].default_on)
+    assert mhc.fused_post_pre_config(6, 5120, 4) is mhc.UPSTREAM
+    assert not mhc.projection_on_tc(8192, 5120, 24, False)
 
 
 @pytest.fixture
@@ -109,8 +135,7 @@ def _val(res, key):
 
 @pytest.mark.parametrize("case,hidden,n_thr", [
     ("sm80/no_deep_gemm", 1024, 1024), ("sm86/no_deep_gemm", 7168, 1024),
-    ("sm80/no_deep_gemm/hidden5120", 5120, 512), ("sm90/no_deep_gemm", 1024, 1024),
-    ("sm90/deep_gemm/mhc=1", 1024, 1024)])
+    ("sm90/no_deep_gemm", 1024, 1024), ("sm90/deep_gemm/mhc=1", 1024, 1024)])
 def test_patched_first_layer_runs_tilelang_prenorm(first_layer, case, hidden, n_thr):
     v = _val(first_layer, case)
     # TileLang's prenorm GEMM at hc_mult=1 over the hidden row, one split; the epilogue
@@ -120,6 +145,64 @@ def test_patched_first_layer_runs_tilelang_prenorm(first_layer, case, hidden, n_
     assert v["calls"][1] == ["epilogue", 1]
     assert not any(c[0] == "deep_gemm" for c in v["calls"])
     assert max(v["max_abs_diff"]) == 0.0  # the stand-ins compute the reference exactly
+
+
+@pytest.fixture(scope="module")
+def projection():
+    _need_probe()
+    r = subprocess.run([sys.executable, str(PROBE), "projection"], env=_probe_env(), cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        pytest.fail(f"mhc probe failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
+    res = json.loads(lines[-1])
+    assert res["_scenario"]["ok"], res["_scenario"]
+    return res
+
+
+# (case, kernels the patched op runs): sm80 with the mhc feature on, then switched off.
+ROUTES = [
+    ("delayed/sm80/None/6/5120", [["fused", [6, 8, 128]], ["epilogue_delayed", 1]]),
+    ("delayed/sm80/None/20/5120", [["post"], ["tc", 20480, "S"], ["epilogue_delayed", "S"]]),
+    ("delayed/sm80/None/20/1024", [["fused", [6, 8, 128]], ["epilogue_delayed", 1]]),
+    ("delayed/sm80/None/40/1024", [["post"], ["tc", 4096, "S"], ["epilogue_delayed", "S"]]),
+    ("delayed/sm80/None/300/1024", [["post"], ["tc", 4096, "S"], ["epilogue_delayed", "S"]]),
+    ("v4/sm80/None/6/5120", [["fused", [6, 8, 128]], ["epilogue", 1]]),
+    ("v4/sm80/None/40/1024", [["post"], ["tc", 4096, "S"], ["epilogue", "S"]]),
+    ("first_v41/sm80/None/5", [["fma", 1024, 1], ["epilogue_delayed", 1]]),
+    ("first_v41/sm80/None/20", [["tc", 1024, "S"], ["epilogue_delayed", "S"]]),
+    ("delayed/sm80/0/6/5120", [["fused", [2, 8, 128]], ["epilogue_delayed", 1]]),
+    ("delayed/sm80/0/20/5120", [["fused", [6, 8, 128]], ["epilogue_delayed", 1]]),
+    ("delayed/sm80/0/40/1024", [["post"], ["fma", 4096, 1], ["epilogue_delayed", 1]]),
+    ("v4/sm80/0/40/1024", [["post"], ["fma", 4096, 4], ["epilogue", 1]]),
+    ("first_v41/sm80/0/20", [["fma", 1024, 1], ["epilogue_delayed", 1]]),
+]
+
+
+@pytest.mark.parametrize("case,want", ROUTES, ids=[c for c, _ in ROUTES])
+def test_patched_ops_route(projection, case, want):
+    v = _val(projection, case)
+    got = [c[:3] if c[0] == "tc" else c for c in v["calls"]]
+    splits = [c[2] for c in v["calls"] if c[0] == "tc"]
+    want = [[splits[0] if x == "S" else x for x in c] for c in want]
+    assert got == want
+    assert not splits or splits[0] > 1  # decode-sized batches spread over k-slices
+    # Stand-ins compute in fp32: what differs is the order the splits are summed in, and
+    # one bf16 rounding of the layer input.
+    coef = v["err"] if case.startswith("first_v41") else v["err"][:3] + v["err"][4:]
+    assert max(coef) < 1e-5, v["err"]
+    if not case.startswith("first_v41"):
+        assert v["err"][3] <= 2 ** -7 * 8, v["err"]  # a few bf16 ulps at |x| < 8
+
+
+def test_patched_first_layer_large_batch_on_tensor_cores(first_layer):
+    # 130 embedding rows: our tensor-core projection (K = hidden), its splits summed by
+    # upstream's broadcast epilogue.
+    v = _val(first_layer, "sm80/no_deep_gemm/hidden5120")
+    assert v["calls"][0][:2] == ["tc", 5120] and v["calls"][1] == ["epilogue", v["calls"][0][2]]
+    assert v["calls"][0][2] > 1
+    assert max(v["max_abs_diff"][:3]) < 1e-4
+    assert v["max_abs_diff"][3] <= 2 ** -7 * 8  # layer input: bf16 ulps from the split sums
 
 
 @pytest.mark.parametrize("case", ["sm90/deep_gemm", "sm80/no_deep_gemm/mhc=0"])
@@ -138,3 +221,121 @@ def test_patched_first_layer_zero_tokens(first_layer):
 def test_patched_first_layer_bad_hidden(first_layer):
     r = first_layer["sm80/no_deep_gemm/hidden1000"]
     assert not r["ok"] and r["error"] == "ValueError" and "multiple of 512" in r["message"]
+
+
+# --------------------------------------------------------------------------- Ampere configs
+def test_fused_geometry_5120(arch_env):
+    arch_env("sm80")
+    for t in range(1, mhc.TC_MIN_TOKENS):
+        assert mhc.fused_post_pre_config(t, 5120, 4) == (6, 8, 128)
+    for t in (mhc.TC_MIN_TOKENS, 24, 32, 33, 8192):
+        assert mhc.fused_post_pre_config(t, 5120, 4) is None  # post + tensor-core projection
+    # 8 slices of 640 columns, 5 per thread; 24 projections in 4 tiles of 6.
+    tile_n, n_splits, n_thr = mhc.fused_post_pre_config(6, 5120, 4)
+    assert 5120 // n_splits == 640 and 640 % n_thr == 0 and 24 % tile_n == 0
+
+
+@pytest.mark.parametrize("hidden", [4096, 7168])
+def test_fused_geometry_defers_to_upstream_where_unmeasured(arch_env, hidden):
+    arch_env("sm80")
+    assert mhc.fused_post_pre_config(6, hidden, 4) is mhc.UPSTREAM
+
+
+def test_fused_geometry_off_when_switched_off(arch_env):
+    arch_env("sm80", "0")
+    assert mhc.fused_post_pre_config(6, 5120, 4) is mhc.UPSTREAM
+    arch_env("sm90")
+    assert mhc.fused_post_pre_config(6, 5120, 4) is mhc.UPSTREAM
+
+
+def test_fused_geometry_table_rejects_a_bad_entry(arch_env, monkeypatch):
+    arch_env("sm80")
+    monkeypatch.setitem(mhc.FUSED_GEOMETRY, 5120, ((15, (5, 8, 128)),))
+    with pytest.raises(ValueError, match="FUSED_GEOMETRY"):
+        mhc.fused_post_pre_config(4, 5120, 4)
+
+
+@pytest.mark.parametrize("t,want", [(15, False), (16, True), (8192, True)])
+def test_projection_threshold(arch_env, t, want):
+    arch_env("sm80")
+    assert mhc.projection_on_tc(t, 20480, 24, deep_gemm_supported=False) is want
+    arch_env("sm90")
+    assert mhc.projection_on_tc(t, 20480, 24, deep_gemm_supported=True) is False
+
+
+def test_projection_shapes_it_cannot_tile(arch_env):
+    arch_env("sm80")
+    assert not mhc.projection_on_tc(64, 20480 + 32, 24, False)  # K not a multiple of 64
+    assert not mhc.projection_on_tc(64, 20480, 40, False)       # more outputs than one tile
+
+
+def test_tc_tiles_and_splits():
+    from vllm.deepinfer.mhc import kernels as k
+    assert [k.block_m_for(t) for t in (16, 17, 64, 65, 8192)] == [16, 32, 32, 64, 64]
+    # A100 (108 SMs), K = 4 x 5120: the most splits whose grid fits two waves.
+    assert k.splits_for(16, 20480, 16, 108) == 64      # one token tile: 64 k-slices
+    assert k.splits_for(8192, 20480, 64, 108) == 1
+    assert k.splits_for(1024, 20480, 64, 108) == 4      # 16 tiles x 4 = 64 blocks
+    for t in (16, 100, 1000, 8192):
+        key = k.key_for(t, 20480, 24, 108)
+        assert key.n_splits in k.SPLIT_BUCKETS and 20480 % (key.n_splits * k.BLOCK_K) == 0
+    # shared memory of the largest tile stays inside the 48 KiB Ampere budget
+    bm = 64
+    smem = k.NUM_STAGES * (bm * k.BLOCK_K * 2 + k.BLOCK_N * k.BLOCK_K * 4) + bm * k.BLOCK_K * 4
+    assert smem <= 48 * 1024
+
+
+def test_warmup_keys_cover_every_dispatched_projection(arch_env):
+    from vllm.deepinfer.mhc import kernels as k
+    from vllm.deepinfer.mhc import warmup as w
+    arch_env("sm80")
+    keys = w.tc_keys(20480, 24, 8192, (108,))
+    assert {k.key_for(t, 20480, 24, 108) for t in range(16, 8193)} == set(keys)
+    assert w.tc_keys(20480, 24, 15, (108,)) == []
+    assert w.projection_splits(20480, 24, 8192, (108,)) == {key.n_splits for key in keys}
+    arch_env("sm80", "0")
+    assert w.projection_splits(20480, 24, 8192, (108,)) == set()
+
+
+# --------------------------------------------------------------------------- warmup (0031/0032)
+@pytest.fixture(scope="module")
+def warm():
+    _need_probe()
+    r = subprocess.run([sys.executable, str(PROBE), "warmup"], env=_probe_env(), cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        pytest.fail(f"mhc probe failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
+    res = json.loads(lines[-1])
+    assert res["_scenario"]["ok"], res["_scenario"]
+    return {k: _val(res, k) for k in ("on", "off")}
+
+
+def _splits(keys):
+    import re
+    return {int(re.search(r"n_splits=(\d+)", k).group(1)) for k in keys}
+
+
+def test_warmup_registers_every_ampere_kernel(warm):
+    from vllm.deepinfer.mhc import warmup as w
+    on = warm["on"]
+    # hidden 1024, 256 tokens, no GPU visible: the keys of every Ampere SM count.
+    want = {repr(k) for kk in (4096, 1024)
+            for k in w.tc_keys(kk, 24, 256, w.AMPERE_SM_COUNTS)}
+    assert set(on["MhcTcProjection"]) == want
+    # First-layer batches under 16 tokens: TileLang's prenorm GEMM over the embedding row.
+    assert all("hc_mult=1" in k for k in on["HcPrenormGemmTileLangKernel"])
+    # The fused post + pre kernel, which V4.1's model itself never registers.
+    assert on["MhcFusedTileLangKernel"]
+    # Epilogues at every split count the projection writes.
+    tc = {kk: w.projection_splits(kk, 24, 256, w.AMPERE_SM_COUNTS) for kk in (4096, 1024)}
+    assert tc[4096] <= _splits(on["MHCPreNormKernel"])
+    big = on["MhcPreBigFuseTileLangKernel"]
+    assert tc[4096] <= _splits(k for k in big if "is_broadcast=False" in k)
+    assert tc[1024] | {1} <= _splits(k for k in big if "is_broadcast=True" in k)
+
+
+def test_warmup_untouched_when_switched_off(warm):
+    off = warm["off"]
+    assert set(off) == {"MHCPreNormKernel", "MhcPreBigFuseTileLangKernel"}
+    assert _splits(off["MHCPreNormKernel"]) == {1, 8}  # no DeepGEMM: one split + fused splits

@@ -26,7 +26,7 @@ PKG = Path(kv_record.__file__).resolve().parent
 KERNEL_MODULES = sorted(p.stem for p in (PKG / "kernels").glob("*.py") if p.stem != "__init__")
 SURFACE = [f"vllm.deepinfer.kernels.{m}" for m in KERNEL_MODULES] + [
     "vllm.deepinfer.routing", "vllm.deepinfer.kv_record", "vllm.deepinfer.arch",
-    "vllm.deepinfer.fp8"]
+    "vllm.deepinfer.fp8", "vllm.deepinfer.yoco"]
 # Modules that launch kernels, each with a ``variant=`` argument resolved by arch.resolve.
 LAUNCHERS = ("fp8_writers_v4", "fp8_writers_v41", "fp8_writers_v4_compress", "indexer_logits",
              "kv_gather", "sparse_mla_decode", "topk_swa")

@@ -443,6 +443,61 @@ def test_ampere_forward_prefill(forward, model, layer, ratio):
     assert v["max_abs_err"] <= FORWARD_TOL * max(1.0, v["ref_max"]), v
 
 
+# --------------------------------------------------------------------------- yoco
+@pytest.fixture(scope="module")
+def yoco_probe():
+    return _probe("yoco")
+
+
+def test_yoco_reuse_outputs_identical(yoco_probe):
+    """Six V4.1 Ampere layers (ratios 0,2,2,1,1,1; KV sources 1,3; index sources 1,3,4), one
+    mixed forward: every layer's output has the same bytes with reuse on and off."""
+    on, off = _value(yoco_probe, "yoco/on"), _value(yoco_probe, "yoco/off")
+    assert on["enabled"] is True and off["enabled"] is False
+    assert on["finite"] and off["finite"]
+    assert _value(yoco_probe, "yoco/outputs_equal") == [True] * 6
+
+
+def test_yoco_reuse_builds_once_per_group(yoco_probe):
+    """Decode global indices (and their ragged form): one build per (index source, KV source,
+    ratio) = {(1,1,2), (3,3,1), (4,3,1)}, not one per compressed layer (5); the SWA window's
+    ragged lists: one, not one per layer (6); compressed gathers: one per KV source (2, not
+    5); combined lists: SWA-only + three index groups (4, not 6). Each layer still gathers its
+    own SWA rows (6)."""
+    on, off = _value(yoco_probe, "yoco/on"), _value(yoco_probe, "yoco/off")
+    assert off["calls"] == {"compute_global_topk_indices_and_lens": 5,
+                            "build_ragged_indices_from_dense": 6 + 5,
+                            "dequantize_and_gather_k_cache": 5 + 6,
+                            "combine_topk_swa_indices": 6}
+    assert on["calls"] == {"compute_global_topk_indices_and_lens": 3,
+                           "build_ragged_indices_from_dense": 1 + 3,
+                           "dequantize_and_gather_k_cache": 2 + 6,
+                           "combine_topk_swa_indices": 4}
+    assert on["builds"] == {"decode_indices": 3, "swa_ragged": 1, "gather": 2, "combine": 4}
+    assert on["hits"] == {"decode_indices": 2, "swa_ragged": 5, "gather": 3, "combine": 2}
+    assert off["builds"] is None  # off: no cache is even created
+
+
+def test_yoco_patched_flashmla_decode(yoco_probe):
+    """Patch 0040: upstream's FlashMLA decode over five compressed layers hands FlashMLA the
+    same global indices and lens with reuse on and off, built 3 times instead of 5; the
+    layers of one (index source, KV source, ratio) group get the very same tensor; an
+    invalid token still gets length 0."""
+    v = _value(yoco_probe, "yoco/flashmla_decode")
+    assert v["builds_on"] == 3 and v["builds_off"] == 5 and v["same_values"] is True
+    # layers 1,2 | 3 | 4,5: shared within a group, not across groups
+    assert v["shared_tensor"] == [True, False, False, True]
+    assert v["masked_token_len"] == 0
+
+
+def test_yoco_patched_indexer_k_gather(yoco_probe):
+    """Patch 0041: three index sources sharing one index-K cache, a prefill split into two
+    query slices: the K gather runs once (three times off) and every logits call reads the
+    cache's rows."""
+    v = _value(yoco_probe, "yoco/indexer_k")
+    assert v == {"gathers_on": 1, "gathers_off": 3, "logits_calls": [6, 6], "rows_equal": True}
+
+
 # --------------------------------------------------------------------------- fp8 writers
 @pytest.fixture(scope="module")
 def writers():

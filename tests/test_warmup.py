@@ -29,7 +29,11 @@ def test_model_shapes_v41_and_v4():
     assert v41 == wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
     v4 = wu.model_shapes(_config(tp=2, compress_rates={"c4a": 4, "c128a": 128},
                                  layer_types=["swa", "c4a", "c128a", "c4a"]))
-    assert v4.compress_ratios == (0, 4, 128) and v4.heads == 32
+    assert v4.compress_ratios == (0, 4, 128) and v4.heads == 32 and v4.model == "v4"
+    assert v4.swa_page == 64 and v4.extra_page(4, "sm80") == 64 and v4.extra_page(128, "sm80") == 2
+    assert v41.swa_page == 32 and v41.extra_page(1, "sm90") == 64
+    # V4's C128A top-k covers every compressed position: 1M tokens -> 8192
+    assert wu.ModelShapes(128, (4, 128), 512, 64, model="v4", max_model_len=1 << 20).c128a_topk == 8192
     with pytest.raises(ValueError, match="hf_config"):
         wu.model_shapes(types.SimpleNamespace(model_config=None))
 
@@ -49,9 +53,31 @@ def test_keys_are_the_launchers_configurations(variant):
     assert {d["HAS_EXTRA"] for d in decode} == {False, True}   # ratio 0 and ratio > 0 layers
     assert all(d["BLOCK_N"] == tile.block_n and d["MAIN_BS"] == wu.SWA_BLOCK for d in decode)
     assert {d["EXTRA_BS"] for d in decode if d["HAS_EXTRA"]} == {64 if variant == "sm90" else 128}
+    # An unsplit launch passes ``out`` (bf16) for its partials: the warmup passes the same.
     unsplit = [k for k in got if k.kernel == "decode" and not dict(k.constexprs)["SPLIT"]]
-    assert all(k.ints_one == ("num_splits",) for k in unsplit)
+    assert unsplit and all(dict(k.ptrs)["part_m_ptr"] == "bf16" for k in unsplit)
     assert any(k.kernel == "decode_reduce" for k in got)
+
+
+def test_v4_decode_uses_v4_pages():
+    """V4's SWA pages hold 64 tokens and its compressed pages 256 // ratio entries (C4A 64,
+    C128A 2): its decode keys carry those, not V4.1's 32 / 128."""
+    v4 = wu.ModelShapes(window=128, compress_ratios=(1, 4, 128), topk=512, heads=64, model="v4")
+    decode = [dict(k.constexprs) for k in wu.keys(v4, "sm80", features=["sparse_mla_decode"])
+              if k.kernel == "decode"]
+    assert {d["MAIN_BS"] for d in decode} == {64}
+    assert {d["EXTRA_BS"] for d in decode if d["HAS_EXTRA"]} == {64, 2}
+
+
+def test_reduce_covers_every_split_bucket():
+    """choose_num_splits can pick up to one split per key tile within one wave of CTAs: the
+    reduce is warmed for every power of two up to that bound."""
+    v41 = wu.ModelShapes(window=128, compress_ratios=(0, 1), topk=512, heads=64)
+    p2 = {dict(k.constexprs)["SPLITS_P2"] for k in wu.keys(v41, "sm80", ["sparse_mla_decode"],
+                                                              sm_count=108)
+          if k.kernel == "decode_reduce"}
+    most = -(-(128 + 512) // smd.TILES["sm80"].block_n)  # 40 key tiles
+    assert p2 == {2, 4, 8, 16, 32, 64} and max(p2) >= most
 
 
 @pytest.mark.parametrize("variant", ["sm80", "sm90"])

@@ -25,6 +25,8 @@ Scenarios:
                logits and pack_seq routes
     forward    the Ampere classes' decode and prefill forward_mqa on CPU tensors
                (interpreter, sm80) against plain torch (tests/vllm_probe_forward.py)
+    yoco       cross-layer metadata reuse through six V4.1 Ampere layers in upstream's
+               layout in miniature, reuse on and off (tests/vllm_probe_yoco.py)
 """
 from __future__ import annotations
 
@@ -343,6 +345,13 @@ def indexer_scorer_switched_off(idx_layer, vcfg) -> str:
 def scenario_forward() -> None:
     import vllm_probe_forward
     vllm_probe_forward.run(record)
+
+
+# --------------------------------------------------------------------------- yoco
+@scenario
+def scenario_yoco() -> None:
+    import vllm_probe_yoco
+    vllm_probe_yoco.run(record)
 
 
 # --------------------------------------------------------------------------- writers

@@ -28,6 +28,9 @@ UPSTREAM_KERNELS: dict[str, tuple[str, list[str]]] = {
         "_dequantize_and_gather_k_kernel",
         "CombineTopkSwaIndicesKernel.kernel",
         "quantize_and_insert_k_kernel",
+        # The decode's global top-k translation (compute_global_topk_indices_and_lens),
+        # which benchmarks/yoco_stack.py times per layer with reuse off and per group on.
+        "_compute_global_topk_indices_and_lens_kernel",
     ]),
     "v4_cache_utils": ("vllm/models/deepseek_v4/common/ops/cache_utils.py", [
         "DequantizeAndGatherKCacheKernel.kernel",

@@ -93,8 +93,12 @@ HC_BASE_STD = 0.5
 HC_COMB_DIAG = 2.0
 # Engram table rows: embedding-like values, N(0, 1).
 ENGRAM_ROW_STD = 1.0
-# Default shard size of the safetensors files (bytes of tensor data).
+# Default shard size of the safetensors files (bytes of tensor data): one shard is held
+# in memory while it is written, and 2 GiB keeps each mini checkpoint in a single file.
 SHARD_BYTES = 2 << 30
+# Default cap on the tensors drawn in parallel: the draw is memory-bound past a few
+# threads, and each thread holds up to two tensors in flight.
+MAX_THREADS = 8
 
 
 # --------------------------------------------------------------------------- config
@@ -661,7 +665,7 @@ def write_checkpoint(cfg: ModelConfig, fmt: str, out: Path, seed: int = 0,
 
     specs = tensor_specs(cfg)
     if threads is None:
-        threads = max(1, min(8, torch.get_num_threads()))
+        threads = max(1, min(MAX_THREADS, torch.get_num_threads()))
     shards: list[list[str]] = []
     weight_map: dict[str, str] = {}
     current: dict[str, torch.Tensor] = {}
@@ -672,8 +676,9 @@ def write_checkpoint(cfg: ModelConfig, fmt: str, out: Path, seed: int = 0,
         if not current:
             return
         shards.append(list(current))
-        save_file(current, str(out / f"_shard{len(shards)}.safetensors"),
-                  metadata={"format": "pt"})
+        path = out / f"_shard{len(shards)}.safetensors"
+        save_file(current, str(path), metadata={"format": "pt"})
+        path.chmod(0o644)  # safetensors creates 0600; the engine may run as another user
         current, current_bytes = {}, 0
 
     for tensors in _materialize_all(specs, fmt, seed, threads):
@@ -723,7 +728,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON")
     ap.add_argument("--shard-mb", type=int, default=SHARD_BYTES >> 20)
     ap.add_argument("--threads", type=int, default=None,
-                    help="tensors drawn in parallel (default: torch's thread count, at most 8)")
+                    help="tensors drawn in parallel (default: torch's thread count, "
+                    f"at most {MAX_THREADS})")
     ap.add_argument("--list", action="store_true", help="print the tensor table only")
     args = ap.parse_args(argv)
     cfg = load_config(args.config_dir, parse_set(args.set))

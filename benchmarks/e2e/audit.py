@@ -10,7 +10,14 @@ before the model is built, and records:
   ``_flashmla_C``, ...: each op replaced by a counting stand-in before the model is built)
   during the served requests. Code that kept a reference to an op before the recorder was
   installed is not seen;
-* every call into DeepGEMM (its module functions wrapped) and every TileLang compile.
+* every call into DeepGEMM (its module functions wrapped) and every TileLang compile;
+* the time vLLM's JIT warmup takes, and our kernels' share of it.
+
+Zero compile while serving: every Triton JIT cache miss and TileLang compile of the 'serve'
+phase is a failure (``serve_compile_failures``, listed with its full key). Only meaningful
+with vLLM's JIT warmup on: ``enforce_eager=True`` switches it off (vllm/config/vllm.py), so
+run.py's ``--jit-warmup`` runs eagerly through compilation mode NONE and no CUDA graphs
+instead.
 
 ``check(...)`` then compiles each recorded Triton kernel for sm_80 and sm_86 with the very
 signature and constexprs it launched with (``triton.compile`` with an explicit target, as the
@@ -70,6 +77,11 @@ class Recorder:
         self.ops: collections.Counter = collections.Counter()
         self.deep_gemm: collections.Counter = collections.Counter()
         self.tilelang: collections.Counter = collections.Counter()
+        self.tilelang_by_phase: collections.Counter = collections.Counter()
+        # Every JIT cache miss while serving, with its full key (what the warmup lacked).
+        self.serve_compiles: list[dict] = []
+        # Seconds of vLLM's JIT warmup, and of our kernels' share of it.
+        self.warmup_seconds: collections.Counter = collections.Counter()
         self._prev_hook = None
 
     # ---------------------------------------------------------------- install
@@ -80,7 +92,30 @@ class Recorder:
         self._wrap_deep_gemm()
         self._wrap_tilelang()
         self._wrap_ops()
+        self._time_warmup()
         return self
+
+    def _time_warmup(self):
+        """Time vLLM's JIT warmup (JitWarmupRegistry.warmup) and our keys' compiles in it."""
+        import time
+        try:
+            from vllm.deepinfer import warmup as ours
+            from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+        except ImportError:
+            return
+        rec = self
+
+        def timed(name, f):
+            def wrapper(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return f(*a, **k)
+                finally:
+                    rec.warmup_seconds[name] += time.perf_counter() - t0
+                    rec.warmup_seconds[name + "_calls"] += 1
+            return wrapper
+        JitWarmupRegistry.warmup = timed("vllm_jit_warmup", JitWarmupRegistry.warmup)
+        ours.compile_key = timed("deepinfer_keys", ours.compile_key)
 
     def _wrap_ops(self):
         """Every op of vLLM's extension namespaces: importing vLLM's platform loads them."""
@@ -111,6 +146,12 @@ class Recorder:
         self.compiles[self.phase] += 1
         name = f"{fn.module}.{fn.name}"
         sig = compile["signature"]
+        if self.phase == "serve":
+            self.serve_compiles.append(dict(
+                name=name, signature={str(a): str(b) for a, b in sig.items()},
+                constants=repr_constants(compile["constants"]),
+                specialization=str(compile["configs"][0]), num_warps=compile["num_warps"],
+                num_stages=compile["num_stages"]))
         k = (name, tuple(sorted((str(a), str(b)) for a, b in sig.items())),
              repr_constants(compile["constants"]), compile["num_warps"], compile["num_stages"])
         if k not in self.triton:
@@ -147,6 +188,7 @@ class Recorder:
         def compile_(func, *a, **k):
             self.tilelang[getattr(func, "__name__", None) or str(getattr(func, "attrs", {})
                                                                   .get("global_symbol", "?"))] += 1
+            self.tilelang_by_phase[self.phase] += 1
             return orig(func, *a, **k)
         tilelang.compile = compile_
 
@@ -223,6 +265,22 @@ def op_libraries(ns: str, libs: dict[str, list[str]]) -> list[str]:
             or so.lstrip("_").startswith(base + "_stable")]
 
 
+def serve_compile_failures(rec: Recorder) -> list[str]:
+    """One line per kernel compiled while serving (after vLLM's warmup): every Triton JIT
+    cache miss of the 'serve' phase and every TileLang compile. In the a100 mode everything
+    that runs is on the Ampere path, ours and upstream's alike, so none is excused."""
+    out = []
+    seen: collections.Counter = collections.Counter()
+    for c in rec.serve_compiles:
+        seen[(c["name"], c["constants"], c["specialization"], c["num_warps"], c["num_stages"])] += 1
+    for (name, consts, spec, warps, stages), n in seen.items():
+        out.append(f"compiled while serving ({n}x): triton {name} constexprs {consts} "
+                   f"specialization {spec} num_warps={warps} num_stages={stages}")
+    if rec.tilelang_by_phase.get("serve"):
+        out.append(f"compiled while serving: {rec.tilelang_by_phase['serve']} TileLang kernel(s)")
+    return out
+
+
 def check(rec: Recorder, ccs=(80, 86)) -> dict:
     """The audit's findings as a JSON-able dict; ``failed`` lists what cannot run on Ampere."""
     triton_rows, failed = [], []
@@ -249,6 +307,9 @@ def check(rec: Recorder, ccs=(80, 86)) -> dict:
             failed.append(f"op {op}: libraries {owners} carry {archs}")
     for f, n in rec.deep_gemm.items():
         failed.append(f"DeepGEMM {f} called {n}x (no sm_80 kernels)")
+    serve = serve_compile_failures(rec)
     return dict(triton_kernels=triton_rows, cuda_ops=op_rows, deep_gemm_calls=dict(rec.deep_gemm),
                 tilelang_compiles=dict(rec.tilelang), compiles_by_phase=dict(rec.compiles),
-                libraries=libs, failed=failed)
+                tilelang_by_phase=dict(rec.tilelang_by_phase), serve_compiles=rec.serve_compiles,
+                zero_compile=not serve, warmup_seconds=dict(rec.warmup_seconds),
+                libraries=libs, failed=failed + serve)

@@ -11,6 +11,13 @@
 3. graphs  the same for a100 and upstream with vLLM's default torch.compile + CUDA graphs.
 4. tput    decode tokens/s (batch 1, 8, 32, 64) and prefill tokens/s (1K, 8K, 32K) on the
            throughput config, one process per mode.
+5. yoco     each model, eager, with cross-layer reuse off (a100_noyoco, sm90_noyoco) and a
+           second a100 run (a100_rerun): greedy tokens and logprobs must equal the reuse-on
+           runs (rows kernel="yoco_e2e"; the rerun pair is the run-to-run floor).
+6. nocompile  each model in the a100 mode, eager but with vLLM's JIT warmup on
+           (run.py --jit-warmup --audit): after the warmup, the served requests (chunked
+           prefill, decode, mixed batches, every compress ratio) must compile no Triton or
+           TileLang kernel; rows kernel="zero_compile" with what compiled and the warmup time.
 Writes benchmarks/results/<gpu>-<date>-e2e.json (rows: e2e, e2e_agreement, sm80_audit) and a
 chart. Engines of the agreement steps run side by side on the GPU (--parallel), the
 throughput ones alone.
@@ -59,14 +66,29 @@ def sh(cmd: list[str], log: Path, env=None, timeout=None) -> int:
     return rc
 
 
-def make_checkpoints(work: Path, names) -> None:
+def dense_routing(cfg_dir: Path) -> list[str]:
+    """--set overrides that route every token to every expert.
+
+    With random weights the router's top-k sits on near-ties, so a rounding difference
+    anywhere upstream flips an expert choice and the run diverges: upstream's own eager and
+    CUDA-graph runs of v41-mini agreed on only 90% of top-1 tokens with top-2 of 8 experts
+    (h200-2026-12-01-e2e-814f4ac.json). With all experts selected the MoE is a continuous
+    function of its input (Marlin MoE still runs, with top-k = all), so agreement measures the
+    kernels, not the routing's discontinuity. --sparse-routing keeps the configs' top-k."""
+    text = json.load(open(cfg_dir / "config.json"))
+    text = text.get("text_config", text)
+    return ["--set", f"num_experts_per_tok={text['n_routed_experts']}"]
+
+
+def make_checkpoints(work: Path, names, dense: bool) -> None:
     for name in names:
         cfg, fmt = MODELS[name]
         out = work / f"{name}-{fmt}"
         if (out / "config.json").exists():
             continue
+        extra = dense_routing(HERE / "configs" / cfg) if dense and name in AGREE_MODELS else []
         sh([sys.executable, str(REPO / "tools" / "make_checkpoint.py"),
-            str(HERE / "configs" / cfg), "--format", fmt, "--out", str(out)],
+            str(HERE / "configs" / cfg), "--format", fmt, "--out", str(out), *extra],
            work / f"ckpt-{name}.log")
 
 
@@ -87,9 +109,11 @@ def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=())
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/deepinfer-e2e")
-    ap.add_argument("--steps", default="ckpt,agree,graphs,tput")
+    ap.add_argument("--steps", default="ckpt,agree,graphs,tput,nocompile")
     ap.add_argument("--parallel", type=int, default=3, help="agreement engines at once")
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer shapes")
+    ap.add_argument("--sparse-routing", action="store_true",
+                    help="agreement checkpoints keep the configs' expert top-k (see dense_routing)")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
     args = ap.parse_args()
     work = Path(args.work)
@@ -100,12 +124,25 @@ def main() -> int:
         agree_extra += ["--lens", "7", "300", "1500", "5000", "--gen", "16"]
 
     if "ckpt" in steps:
-        make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()))
+        make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()),
+                         dense=not args.sparse_routing)
+    if "nocompile" in steps:
+        for name in AGREE_MODELS:
+            cfg, fmt = MODELS[name]
+            out = work / f"{name}-a100-nocompile.json"
+            sh([sys.executable, str(HERE / "run.py"), "--model", str(work / f"{name}-{fmt}"),
+                "--mode", "a100", "--task", "agree", "--jit-warmup", "--audit", "--out",
+                str(out), *agree_extra], work / f"{name}-a100-nocompile.log",
+               timeout=RUN_TIMEOUT_S)
     jobs = []
     if "agree" in steps:
         jobs += [(n, m, True) for n in AGREE_MODELS for m in MODES]
     if "graphs" in steps:
         jobs += [(n, m, False) for n in AGREE_MODELS for m in ("a100", "upstream")]
+    if "yoco" in steps:
+        jobs += [(n, m, True) for n in AGREE_MODELS
+                 for m in ("a100", "sm90", "a100_noyoco", "sm90_noyoco", "a100_rerun")
+                 if not (work / f"{n}-{m}-agree-eager.json").exists()]
     def job(ij):
         i, j = ij
         # Staggered starts: an engine profiling its memory while another one frees
@@ -175,12 +212,32 @@ def write_results(args, work: Path, outs, tput_outs) -> None:
                                      top1_agree=p["top1_agree"],
                                      max_abs_dlogprob=p["max_abs_dlogprob"], detail=p,
                                      spread=compare.spread(got[a]), tolerance=TOL))
+        for on, off in (("a100", "a100_noyoco"), ("sm90", "sm90_noyoco"), ("a100", "a100_rerun")):
+            a, b = runs.get((name, on, True)), runs.get((name, off, True))
+            if a and b:
+                p = compare.pair(a, b)
+                same = p["max_abs_dlogprob"] == 0.0 and p["top1_agree"] == 1.0 and all(
+                    d is None for d in p["first_divergence"]) and p["generated_max_abs_dlogprob"] == 0.0
+                rows.append(dict(kernel="yoco_e2e", variant=f"{on}_vs_{off}",
+                                 shape=dict(model=name, eager=True), identical=same,
+                                 top1_agree=p["top1_agree"],
+                                 max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
         for m in MODES:  # the noise floor: one mode, eager against CUDA graphs
             if runs.get((name, m, True)) and runs.get((name, m, False)):
                 p = compare.pair(runs[(name, m, True)], runs[(name, m, False)])
                 rows.append(dict(kernel="e2e_agreement", variant=f"{m}_eager_vs_graphs",
                                  shape=dict(model=name), top1_agree=p["top1_agree"],
                                  max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
+    for f in sorted(work.glob("*-a100-nocompile.json")):
+        r = json.load(open(f))
+        a = r["audit"]
+        rows.append(dict(kernel="zero_compile", variant="a100",
+                         shape=dict(model=f.stem.split("-a100-")[0], jit_warmup=True),
+                         passed=a["zero_compile"], serve_compiles=a["serve_compiles"],
+                         tilelang_by_phase=a.get("tilelang_by_phase"),
+                         compiles_by_phase=a["compiles_by_phase"],
+                         warmup_seconds=a.get("warmup_seconds"), load_seconds=r["load_seconds"],
+                         failed=a["failed"]))
     for mode, p in tput_outs:
         if not p:
             failed_runs.append(f"{TPUT_MODEL}/{mode}/tput")
@@ -205,6 +262,15 @@ def write_results(args, work: Path, outs, tput_outs) -> None:
         if row["kernel"] == "e2e_agreement":
             print(f"  {row['shape']}  {row['variant']:24s} top1 {row['top1_agree']:.4f}  "
                   f"max|dlp| {row['max_abs_dlogprob']:.4f}")
+        elif row["kernel"] == "yoco_e2e":
+            print(f"  {row['shape']}  {row['variant']:24s} identical {row['identical']}  "
+                  f"max|dlp| {row['max_abs_dlogprob']:.4g}")
+        elif row["kernel"] == "zero_compile":
+            w = row.get("warmup_seconds") or {}
+            print(f"  zero compile {row['shape']['model']}: "
+                  f"{'PASS' if row['passed'] else 'FAIL'}, {len(row['serve_compiles'])} "
+                  f"compile(s) while serving; JIT warmup {w.get('vllm_jit_warmup', 0):.1f}s "
+                  f"of which ours {w.get('deepinfer_keys', 0):.1f}s")
         elif row["kernel"] == "e2e":
             print(f"  {row['variant']:9s} {row['shape']['phase']:8s} b{row['shape']['batch']:<3d} "
                   f"L{row['shape']['prompt_len']:<6d} {row['tokens_per_s']:10.1f} tok/s")

@@ -13,6 +13,8 @@ Modes (the overlay must be installed into the vLLM this python imports):
             (DEEPINFER_AMPERE_ATTN=1 DEEPINFER_ARCH=sm90).
   upstream  every DeepInfer feature off (DEEPINFER_DISABLE=all): upstream's own path
             (on Hopper: FlashMLA + DeepGEMM).
+  a100_noyoco, sm90_noyoco   the same with cross-layer reuse off (DEEPINFER_YOCO_REUSE=0)
+  a100_rerun                 a100 again (run-to-run floor)
 Tasks:
   agree     greedy generation with top-K logprobs of prompt and generated tokens
   tput      decode tokens/s at several batch sizes and prefill tokens/s at several lengths
@@ -29,6 +31,12 @@ MODES = {
     "a100": {"DEEPINFER_EMULATE_CAPABILITY": "8.0"},
     "sm90": {"DEEPINFER_AMPERE_ATTN": "1", "DEEPINFER_ARCH": "sm90"},
     "upstream": {"DEEPINFER_DISABLE": "all"},
+    # Cross-layer reuse off (docs/yoco.md): the same engine must produce the same tokens and
+    # logprobs; "a100_rerun" is the a100 mode again, the run-to-run floor of that comparison.
+    "a100_noyoco": {"DEEPINFER_EMULATE_CAPABILITY": "8.0", "DEEPINFER_YOCO_REUSE": "0"},
+    "sm90_noyoco": {"DEEPINFER_AMPERE_ATTN": "1", "DEEPINFER_ARCH": "sm90",
+                    "DEEPINFER_YOCO_REUSE": "0"},
+    "a100_rerun": {"DEEPINFER_EMULATE_CAPABILITY": "8.0"},
 }
 # Prompt lengths for agreement: a short one, one past the 128-token SWA window, one whose
 # compressed context (ratio 1: L, ratio 2: L/2 entries) exceeds top-k 512 so the indexer
@@ -119,6 +127,10 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile, "
                     "no CUDA graphs); the sm_80 audit runs only in this form")
     ap.add_argument("--audit", action="store_true", help="record and check what ran (a100)")
+    ap.add_argument("--jit-warmup", action="store_true",
+                    help="eager execution with vLLM's JIT warmup kept on (compilation mode "
+                    "NONE, no CUDA graphs; --eager would switch the warmup off): the form the "
+                    "zero-compile check runs in")
     ap.add_argument("--gen", type=int, default=32, help="generated tokens per prompt (agree)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=16384 + 256)
@@ -134,6 +146,9 @@ def main() -> int:
 
     os.environ.update(MODES[args.mode])
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")   # no flashinfer in the kit
+    # DeepGEMM's JIT warmup compiles ~600 kernels in the upstream mode (over 4 minutes for
+    # v4-mini on the H200); skipped, they compile on first use. Numerics are unchanged.
+    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"          # engine in this process
     rec = None
     if args.audit:
@@ -152,16 +167,27 @@ def main() -> int:
     # ships a word-level one when the model has Engram layers); otherwise skip it.
     has_tok = any(os.path.exists(os.path.join(args.model, f))
                   for f in ("tokenizer.json", "tokenizer_config.json"))
+    eager_kw: dict = dict(enforce_eager=args.eager)
+    if args.jit_warmup:
+        if args.eager:
+            ap.error("--jit-warmup and --eager exclude each other (--eager turns the warmup off)")
+        eager_kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "NONE"}
+    # Engines run side by side (e2e.py --parallel): vLLM's memory profiling fails when another
+    # process releases GPU memory meanwhile, so start-up and exit take one lock in turn.
+    gate = _EngineGate()
+    gate.acquire()
     llm = LLM(model=args.model, skip_tokenizer_init=not has_tok, language_model_only=True,
-              enforce_eager=args.eager, max_model_len=args.max_model_len,
+              **eager_kw, max_model_len=args.max_model_len,
               max_num_batched_tokens=CHUNK, enable_chunked_prefill=True,
               gpu_memory_utilization=args.gpu_mem, max_num_seqs=max(64, *args.batches),
               seed=args.seed, enable_prefix_caching=False,
               load_format="dummy" if args.dummy else "auto")
     load_s = time.perf_counter() - t0
+    gate.release()
     from vllm.platforms import current_platform
     from vllm.deepinfer import arch
-    result = dict(mode=args.mode, task=args.task, eager=args.eager, model=args.model,
+    result = dict(mode=args.mode, task=args.task, eager=args.eager or args.jit_warmup,
+                  jit_warmup=args.jit_warmup, model=args.model,
                   model_config=cfg, load_seconds=load_s,
                   env={k: os.environ.get(k) for k in sorted(os.environ)
                        if k.startswith(("DEEPINFER_", "VLLM_"))},
@@ -188,10 +214,29 @@ def main() -> int:
         result["audit"] = check(rec)
         result["selections"] = selections(llm)
         print("audit failed:", result["audit"]["failed"] or "none", flush=True)
+        print("compiled while serving:", len(result["audit"]["serve_compiles"]),
+              "| warmup seconds:", result["audit"]["warmup_seconds"], flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f)
     print(f"{args.mode} {args.task}: load {load_s:.1f}s -> {args.out}", flush=True)
-    return 0
+    gate.acquire()  # held until this process is gone and its GPU memory with it
+    os._exit(0)
+
+
+class _EngineGate:
+    """An exclusive file lock shared by the engines of one machine (see its use in main)."""
+    PATH = os.environ.get("E2E_ENGINE_LOCK", "/tmp/deepinfer-e2e-engine.lock")
+
+    def __init__(self):
+        self.f = open(self.PATH, "a")
+
+    def acquire(self):
+        import fcntl
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+
+    def release(self):
+        import fcntl
+        fcntl.flock(self.f, fcntl.LOCK_UN)
 
 
 def selections(llm) -> dict:

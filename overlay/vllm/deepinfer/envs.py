@@ -62,6 +62,13 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # from 9.0) and the Ampere-tuned TileLang configs (vllm.deepinfer.mhc). On for sm89
     # too: it has no DeepGEMM either.
     Feature("mhc", _AMPERE | {"sm89"}, "mHC pre/post on TileLang without DeepGEMM, Ampere configs"),
+    # The Ampere fused geometry (hidden 5120) and the tensor-core projection from 16 tokens:
+    # compiled and tested on CPU only; on nowhere until the mhc suite measures them on a GPU.
+    Feature("mhc_tuned", frozenset(), "mHC Ampere geometry and tensor-core projection (unmeasured)"),
+    # Metadata identical across a KV-sharing group is built once per forward
+    # (vllm.deepinfer.yoco): the layers compute the same thing either way, hence on
+    # everywhere; 0 rebuilds it in every layer, as upstream does.
+    Feature("yoco_reuse", _ALL, "cross-layer metadata reuse (YOCO) within one forward"),
 )}
 
 

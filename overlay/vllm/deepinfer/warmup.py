@@ -11,10 +11,17 @@ The warmup keys are the configurations a model can launch, derived from its conf
 (``ModelShapes``): the gather's request buckets with and without ``gather_lens``, the
 combiner's row widths for the model's compress ratios, window and top-k, and the decode's
 (extra cache or not, split or not, inverse RoPE or not) with the cache block sizes of this
-GPU. Each key compiles with ``JITFunction.warmup`` (Triton's compile-only launch) from the
-kernel's signature table (the one the compile gate uses): pointers as dtypes, integers as 16
-(the "multiple of 16" specialization every stride, row count and head count here takes at
-runtime) except where the kernel sees 1 (``num_splits`` of an unsplit decode).
+GPU (V4.1: SWA pages of 32 tokens, compressed pages of 128, 64 on sm90; V4: SWA 64, C4A 64,
+C128A 2) and every split count the decode heuristic can pick. Each key compiles with
+``JITFunction.warmup`` (Triton's compile-only launch) from the kernel's signature table (the
+one the compile gate uses): pointers as dtypes (the stand-ins a launcher passes for unused
+arguments included: the dtype is part of Triton's cache key), integers as 16 (the "multiple
+of 16" specialization every stride that stays specialized takes at runtime); per-batch
+integers and metadata pointers whose alignment moves with the chunk are
+``do_not_specialize``[``_on_alignment``] in the kernels, and the launch options are passed
+exactly as the launchers pass them. tests/test_warmup_coverage.py computes Triton's cache key
+of every launch over a grid of realistic calls and of every warmup key, on a CPU, and checks
+that the first are among the second.
 
 Nothing here imports vLLM except ``register_with_vllm``; ``keys``/``compile_key`` need only
 torch and Triton (and a GPU to compile for).
@@ -27,17 +34,25 @@ import logging
 from typing import Any, Callable, Iterable
 
 from vllm.deepinfer import arch, envs
+from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.kernels.shapes import SWA_PAGE, compressed_page
 
 logger = logging.getLogger("vllm.deepinfer")
 
-# Representative integer for specialized int arguments: strides, row counts and head counts
-# of these kernels are multiples of 16 in every model configuration we serve (128-column
-# combined rows, 512-dim heads, 584 x block-size pages with block sizes 32/64/128, 64 heads).
+# Representative integer for specialized int arguments: strides and head counts of these
+# kernels that stay specialized are multiples of 16 in every model configuration we serve
+# (128-column combined rows, 512-dim heads, 584 x block-size pages with block sizes 32/64/128
+# and V4's 2-entry C128A pages: 1168 bytes); per-batch integers (token, request, split and
+# head counts, block-table strides) are ``do_not_specialize`` in the kernels, so their value
+# here does not matter.
 _INT = 16
-# Cache block sizes (tokens per page) the decode is compiled for: V4.1's SWA pages and its
-# compressed/indexer pages on each variant (kernels/shapes.py).
+# V4.1's SWA page (tokens), the decode's main cache. Kept for callers of the old name.
 SWA_BLOCK = SWA_PAGE
+# V4 pages: SWA pages of 64 tokens (kernels/shapes.py); compressed pages hold
+# V4_LOGICAL_BLOCK // ratio entries (64 for C4A, 2 for C128A).
+# Largest SM count of a GPU these kernels serve (GB300: 160), bounding the split-K factor
+# when the warmup does not run on the device itself (tests).
+MAX_SMS = 160
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +63,35 @@ class ModelShapes:
     topk: int                          # index_topk
     heads: int                         # attention heads on this rank
     index_heads: int = 64              # indexer heads (replicated, not split by TP)
+    model: str = "v41"                 # "v41" or "v4": the cache page geometry
+    max_model_len: int = 0             # bounds V4's C128A top-k width (0: index_topk)
+
+    def swa_only(self, ratio: int) -> bool:
+        return ratio == 0 if self.model == "v41" else ratio <= 1
+
+    @property
+    def swa_page(self) -> int:
+        return shapes.V41.swa_page if self.model == "v41" else shapes.V4.swa_page
+
+    def extra_page(self, ratio: int, variant: str) -> int:
+        """Entries per page of the compressed cache a ratio-``ratio`` layer decodes."""
+        if self.model == "v41":
+            return compressed_page(variant)
+        return shapes.V4_LOGICAL_BLOCK // ratio
+
+    @property
+    def c128a_topk(self) -> int:
+        """Widest C128A top-k (V4): every compressed position of the longest request, in
+        steps of 128 (upstream's _C128A_TOPK_ALIGNMENT)."""
+        if not self.max_model_len:
+            return self.topk
+        return -(-(-(-self.max_model_len // 128)) // 128) * 128
+
+    @property
+    def max_keys(self) -> int:
+        """Most keys one decode token attends to: the window plus the widest top-k."""
+        wide = self.c128a_topk if any(r >= 128 for r in self.compress_ratios) else 0
+        return self.window + max(self.topk, wide)
 
 
 def model_shapes(vllm_config: Any) -> ModelShapes:
@@ -58,7 +102,9 @@ def model_shapes(vllm_config: Any) -> ModelShapes:
     if hf is None:
         raise ValueError("vllm_config.model_config.hf_config is missing")
     ratios = getattr(hf, "compress_ratios", None)
+    model = "v41"
     if ratios is None:
+        model = "v4"
         rates = getattr(hf, "compress_rates", None) or {}
         ratios = [rates.get(t, 0) for t in getattr(hf, "layer_types", [])]
     ratios = tuple(sorted({int(r) for r in ratios} or {0}))
@@ -67,7 +113,8 @@ def model_shapes(vllm_config: Any) -> ModelShapes:
     return ModelShapes(window=int(getattr(hf, "sliding_window", 128) or 128),
                        compress_ratios=ratios, topk=int(getattr(hf, "index_topk", 0) or 0),
                        heads=max(1, heads // tp),
-                       index_heads=int(getattr(hf, "index_n_heads", 64) or 64))
+                       index_heads=int(getattr(hf, "index_n_heads", 64) or 64), model=model,
+                       max_model_len=int(getattr(model_config, "max_model_len", 0) or 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,63 +123,94 @@ class WarmupKey:
     kernel: str                            # a key of _KERNELS
     constexprs: tuple[tuple[str, Any], ...]
     num_warps: int
-    num_stages: int
-    ints_one: tuple[str, ...] = ()         # int arguments the runtime passes as 1
+    # None: the launcher passes no num_stages (Triton's default applies); the options a
+    # launch passes are part of the cache key, so the warmup passes exactly the same.
+    num_stages: int | None
+    # Pointer arguments the launcher fills with a stand-in of another dtype than the
+    # signature's (an unsplit decode passes ``out`` for its unused partials): the dtype is
+    # part of Triton's cache key, so the warmup must pass the same.
+    ptrs: tuple[tuple[str, str], ...] = ()
 
 
-def _gather_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
+def _gather_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     from vllm.deepinfer.kernels import kv_gather as kg
     return [WarmupKey("kv_gather", tuple(sorted(k.constexprs().items())), k.num_warps, 1)
             for k in kg.compile_keys(variant)]
 
 
-def _combine_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
+def _combine_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     from vllm.deepinfer.kernels import topk_swa as ts
+    topk = shapes.topk
+    if shapes.model == "v4" and any(r >= 128 for r in shapes.compress_ratios):
+        topk = max(topk, shapes.c128a_topk)
+    # V4's SWA-only layers run as ratio 1 with top-k 0: ratio 0 rows for the combiner.
+    ratios = {0 if shapes.swa_only(r) else r for r in shapes.compress_ratios}
     return [WarmupKey("topk_swa", tuple(sorted(k.constexprs().items())), k.num_warps, 1)
-            for k in ts.compile_keys(shapes.window, shapes.compress_ratios, shapes.topk,
-                                     variant)]
+            for k in ts.compile_keys(shapes.window, ratios, topk, variant)]
 
 
-def _decode_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
+def _stand_ins(split: bool, inv_rope: bool, predequant: bool = False
+               ) -> tuple[tuple[str, str], ...]:
+    """What sparse_mla_decode passes for arguments a launch does not use: ``out`` (bf16) for
+    the partials of an unsplit launch, for the cos/sin cache without inverse RoPE and for the
+    workspace rows of a one-phase launch, ``main_indptr`` (int32) for the positions and for
+    the one-phase launch's validity bytes."""
+    ptrs = [] if split else [("part_m_ptr", "bf16"), ("part_l_ptr", "bf16"),
+                             ("part_acc_ptr", "bf16")]
+    if not inv_rope:
+        ptrs += [("pos_ptr", "i32"), ("cs_ptr", "bf16")]
+    if not predequant:
+        ptrs += [("valid_ptr", "i32")]
+    return tuple(ptrs)
+
+
+def _decode_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
     tile = smd.TILES[variant]
     block_h, _ = smd.launch_plan(1, shapes.heads, 1.0, tile, 1, num_kv_splits=1)
-    extra_bs = compressed_page(variant)
-    has_extra = sorted({r > 0 for r in shapes.compress_ratios})
+    main_bs = shapes.swa_page
+    extras = sorted({None if shapes.swa_only(r) else shapes.extra_page(r, variant)
+                     for r in shapes.compress_ratios}, key=lambda e: -1 if e is None else e)
     keys = []
-    for extra in has_extra:
+    for extra in extras:
         for split in (False, True):
             for inv_rope in (False, True):
-                c = dict(HAS_EXTRA=extra, HAS_SINK=True, SPLIT=split,
+                c = dict(HAS_EXTRA=extra is not None, HAS_SINK=True, SPLIT=split,
                          INV_ROPE=inv_rope and not split, HW_FP8=arch.VARIANTS[variant].hw_fp8,
-                         DOT_FP32=False, ALIGNED=True, MAIN_BS=SWA_BLOCK,
-                         EXTRA_BS=extra_bs if extra else SWA_BLOCK, BLOCK_H=block_h,
+                         DOT_FP32=False, ALIGNED=True, MAIN_BS=main_bs,
+                         EXTRA_BS=main_bs if extra is None else extra, BLOCK_H=block_h,
                          BLOCK_N=tile.block_n, PREFETCH=tile.prefetch,
                          PREDEQUANT=tile.predequant)
-                key = WarmupKey("decode", tuple(sorted(c.items())), tile.num_warps,
-                                tile.num_stages, () if split else ("num_splits",))
-                if key not in keys:
-                    keys.append(key)
-    # The reduce, for every split-count bucket the heuristic can pick on this GPU class.
-    for p2 in (2, 4, 8, 16):
+                keys.append(WarmupKey("decode", tuple(sorted(c.items())), tile.num_warps,
+                                      tile.num_stages,
+                                      _stand_ins(split, inv_rope, tile.predequant)))
+    # The reduce, for every split-count bucket choose_num_splits can pick: at most one split
+    # per key tile and no more than one wave of CTAs.
+    most = max(1, min(sm_count * tile.ctas_per_sm, -(-shapes.max_keys // tile.block_n)))
+    p2 = 2
+    while p2 < 2 * most:
         for inv_rope in (False, True):
             c = dict(HAS_SINK=True, INV_ROPE=inv_rope, SPLITS_P2=p2, UNROLL=smd.REDUCE_UNROLL,
                      BLOCK_H=tile.reduce_block_h)
-            keys.append(WarmupKey("decode_reduce", tuple(sorted(c.items())), tile.reduce_warps, 1))
+            keys.append(WarmupKey("decode_reduce", tuple(sorted(c.items())), tile.reduce_warps,
+                                  None, _stand_ins(True, inv_rope)))
+        p2 *= 2
     return keys
 
 
-def _indexer_logits_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
+def _indexer_logits_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     if not any(r > 0 for r in shapes.compress_ratios) or shapes.topk <= 0:
         return []  # no indexer in this model
     from vllm.deepinfer.kernels import indexer_logits as il
     tile = il.TILES[variant]
+    # The paged form reads the scales from the cache pages: it passes the uint8 cache.
     return [WarmupKey("indexer_logits", tuple(sorted(c.items())), tile.num_warps,
-                      tile.num_stages) for c in il.compile_constexprs(variant, shapes.index_heads)]
+                      tile.num_stages, (("kscale_ptr", "u8"),) if c["PAGED"] else ())
+            for c in il.compile_constexprs(variant, shapes.index_heads)]
 
 
 # feature (vllm.deepinfer.envs) -> key builder
-_KEYS: dict[str, Callable[[ModelShapes, str], list[WarmupKey]]] = {
+_KEYS: dict[str, Callable[[ModelShapes, str, int], list[WarmupKey]]] = {
     "kv_gather": _gather_keys,
     "topk_swa": _combine_keys,
     "sparse_mla_decode": _decode_keys,
@@ -141,9 +219,10 @@ _KEYS: dict[str, Callable[[ModelShapes, str], list[WarmupKey]]] = {
 
 
 def keys(shapes: ModelShapes, variant: str | None = None,
-         features: Iterable[str] | None = None) -> list[WarmupKey]:
+         features: Iterable[str] | None = None, sm_count: int | None = None) -> list[WarmupKey]:
     """Every warmup key of the enabled features (all of ours when ``features`` is None and
-    no env switch turns one off) on ``variant`` (None: this process's)."""
+    no env switch turns one off) on ``variant`` (None: this process's) for a GPU of
+    ``sm_count`` SMs (None: ``MAX_SMS``, which covers every GPU)."""
     name = variant if variant is not None else arch.current().name
     out: list[WarmupKey] = []
     for feature, build in _KEYS.items():
@@ -151,7 +230,7 @@ def keys(shapes: ModelShapes, variant: str | None = None,
             continue
         if features is None and not envs.enabled(feature, name):
             continue
-        out.extend(build(shapes, name))
+        out.extend(build(shapes, name, sm_count or MAX_SMS))
     return out
 
 
@@ -184,16 +263,17 @@ def warmup_args(key: WarmupKey) -> tuple[list, dict]:
     """(positional args, keyword constexprs) of ``JITFunction.warmup`` for ``key``."""
     import torch
     _, sig = _kernel_and_signature(key.kernel)
+    ptrs = dict(key.ptrs)
     args = []
     for name, ty in sig.items():
         if ty == "constexpr":
             continue
         if ty.startswith("*"):
-            args.append(getattr(torch, _DTYPES[ty[1:]]))
+            args.append(getattr(torch, _DTYPES[ptrs.get(name, ty[1:])]))
         elif ty in ("fp32", "fp16", "bf16"):
             args.append(1.5)
         else:
-            args.append(1 if name in key.ints_one else _INT)
+            args.append(_INT)
     return args, dict(key.constexprs)
 
 
@@ -201,8 +281,15 @@ def compile_key(key: WarmupKey) -> None:
     """Compile ``key`` for the current GPU without launching it."""
     kernel, _ = _kernel_and_signature(key.kernel)
     args, constexprs = warmup_args(key)
-    kernel.warmup(*args, grid=(1,), num_warps=key.num_warps, num_stages=key.num_stages,
-                  **constexprs)
+    kernel.warmup(*args, grid=(1,), **launch_options(key), **constexprs)
+
+
+def launch_options(key: WarmupKey) -> dict[str, int]:
+    """The launch options of ``key``, as its launcher passes them."""
+    opts = {"num_warps": key.num_warps}
+    if key.num_stages is not None:
+        opts["num_stages"] = key.num_stages
+    return opts
 
 
 # ----------------------------------------------------------------------------- vLLM glue
@@ -215,7 +302,10 @@ def _vllm_kernel():
         CompileKey = WarmupKey
 
         def get_warmup_keys(self, vllm_config: Any) -> list[WarmupKey]:
-            return keys(model_shapes(vllm_config))
+            import torch
+            sms = arch.sm_count(torch.device("cuda", torch.cuda.current_device())) \
+                if torch.cuda.is_available() else None
+            return keys(model_shapes(vllm_config), sm_count=sms)
 
         def compile(self, key: WarmupKey) -> None:
             compile_key(key)

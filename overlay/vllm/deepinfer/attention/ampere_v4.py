@@ -7,6 +7,7 @@ from the metadata builder). Ported from ``models/deepseek_v4/amd/rocm.py`` (not 
 """
 from __future__ import annotations
 
+from vllm.deepinfer import yoco
 from vllm.deepinfer.attention.common import (
     AmpereAttentionMixin,
     DeepinferAmpereSparseAttnIndexer,
@@ -128,6 +129,21 @@ class DeepinferAmpereV4Attention(AmpereAttentionMixin, DeepseekV4Attention):
     def _prefill_chunk_plan(self, swa_metadata, swa_only: bool):
         return swa_metadata.get_prefill_chunk_plan(
             compress_ratio=self.compress_ratio, prefill_chunk_size=self.PREFILL_CHUNK_SIZE)
+
+    # ---- cross-layer reuse (vllm.deepinfer.yoco) --------------------------------------
+    # V4 shares no KV cache and each C4A layer indexes itself: only what the SWA-only layers
+    # and the C128A layers reading one metadata object (top-k from the metadata builder)
+    # derive is the same across layers (their combined lists, the C128A decode's ragged
+    # lists), besides the SWA window's ragged lists, which every layer shares.
+    def _yoco_index_source(self, comp_metadata, swa_only: bool):
+        if swa_only:
+            return None
+        if self.compress_ratio == 128:
+            return ("c128a", id(comp_metadata))
+        return yoco.NO_REUSE
+
+    def _yoco_kv_source(self):
+        return None
 
     def _combine_extra_args(self, swa_metadata, nd_tok: int, qs: int, qe: int):
         left, right = swa_metadata.prefill_left_visible, swa_metadata.prefill_right_visible

@@ -132,8 +132,8 @@ class DeepinferAmpereV41Attention(AmpereAttentionMixin, DeepseekV4Attention):
         assert comp_metadata is not None and swa_metadata.is_valid_token is not None
         assert self.topk_indices_buffer is not None
         n, nd = swa_metadata.num_decode_tokens, swa_metadata.num_decodes
-        # NVIDIA V4.1 recomputes this per consumer layer; ROCm memoizes it per index
-        # source (_decode_topk_ragged). Memoizing is an open optimization here.
+        # Built once per (index source, KV source, ratio) and forward: common's
+        # _ampere_decode looks it up in vllm.deepinfer.yoco before calling this.
         return compute_global_topk_indices_and_lens(
             self.topk_indices_buffer[:n], swa_metadata.token_to_req_indices,
             comp_metadata.block_table[:nd], comp_metadata.block_size // self.compress_ratio,
@@ -149,3 +149,12 @@ class DeepinferAmpereV41Attention(AmpereAttentionMixin, DeepseekV4Attention):
         return swa_metadata.get_prefill_chunk_plan(
             compress_ratio=self.compress_ratio, prefill_chunk_size=self.PREFILL_CHUNK_SIZE,
             has_compressed=not swa_only)
+
+    # ---- cross-layer reuse (vllm.deepinfer.yoco) --------------------------------------
+    def _yoco_index_source(self, comp_metadata, swa_only: bool):
+        """Layers after an index source read the top-k it wrote into the shared buffer."""
+        return None if swa_only or self.compress_ratio == 0 else self.index_source_layer_id
+
+    def _yoco_kv_source(self):
+        """Consumers read the compressed cache of the KV source at or below them."""
+        return self.compressed_cache_prefix

@@ -28,12 +28,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm.deepinfer import arch, routing
+from vllm.deepinfer import arch, routing, yoco
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
     _get_cached_wo_a_bf16,
+    build_ragged_indices_from_dense,
     rocm_inv_rope_einsum,
     rocm_inverse_rope_rows_,
     rocm_sparse_attn_decode,
@@ -253,9 +254,13 @@ class AmpereAttentionMixin:
         assert output.dtype == q.dtype == torch.bfloat16
         attn_metadata = get_forward_context().attn_metadata
         if attn_metadata is None:
-            # Profile/dummy run: reserve the prefill gather workspace, as upstream does.
-            current_workspace_manager().get_simultaneous(
-                *self._prefill_workspace_shapes(q))
+            # Profile/dummy run: reserve the prefill gather workspace, as upstream does,
+            # and the cross-layer gather buffer (vllm.deepinfer.yoco) of compressed layers.
+            shapes = self._prefill_workspace_shapes(q)
+            current_workspace_manager().get_simultaneous(*shapes)
+            if not self._swa_only() and self._yoco_kv_source() is not None:
+                (dims, _), = shapes
+                yoco.reserve_gather_buffer(dims[0] * dims[1] * dims[2] * 2, q.device)
             output.zero_()
             return
         if not isinstance(attn_metadata, dict):
@@ -291,15 +296,34 @@ class AmpereAttentionMixin:
     def _ampere_decode(self, q, positions, comp_cache, swa_metadata, comp_metadata,
                        swa_only: bool, output) -> int:
         """Returns how many leading rows came back inverse-RoPE'd."""
-        topk_indices, topk_lens = (None, None) if swa_only else self._decode_topk(
-            swa_metadata, comp_metadata)
+        # The ragged index lists the decode reads, built once per forward (yoco): the SWA
+        # window's for every layer reading this SWA metadata, the global top-k's for a
+        # KV-sharing group (upstream's dense -> ragged conversion, which the decode would
+        # otherwise run in every layer).
+        fc = get_forward_context()
+        swa_cache = self.swa_cache_layer.kv_cache
+        swa_rows = swa_cache.shape[0] * swa_cache.shape[1]
+        swa_ragged = yoco.reuse(fc, yoco.swa_ragged_key(swa_metadata, swa_rows), lambda: (
+            build_ragged_indices_from_dense(swa_metadata.decode_swa_indices,
+                                            swa_metadata.decode_swa_lens, num_rows=swa_rows)))
+        topk_ragged = (None, None)
+        if not swa_only:
+            extra_rows = comp_cache.shape[0] * comp_cache.shape[1]
+
+            def build_topk():
+                indices, lens = self._decode_topk(swa_metadata, comp_metadata)
+                return build_ragged_indices_from_dense(indices, lens, num_rows=extra_rows)
+            key = self._yoco_decode_key(swa_metadata, comp_metadata)
+            topk_ragged = yoco.reuse(fc, None if key is None else key + (extra_rows,),
+                                     build_topk)
         fuse = self._decode_fuses_inv_rope()
         return rocm_sparse_attn_decode(
-            q=q, kv_cache=comp_cache, swa_k_cache=self.swa_cache_layer.kv_cache,
-            swa_only=swa_only, topk_indices=topk_indices, topk_lens=topk_lens,
+            q=q, kv_cache=comp_cache, swa_k_cache=swa_cache,
+            swa_only=swa_only, topk_indices=None, topk_lens=None,
             swa_indices=swa_metadata.decode_swa_indices, swa_lens=swa_metadata.decode_swa_lens,
-            swa_ragged_indices=None, swa_ragged_indptr=None, topk_ragged_indices=None,
-            topk_ragged_indptr=None, attn_sink=self.attn_sink, scale=self.scale,
+            swa_ragged_indices=swa_ragged[0], swa_ragged_indptr=swa_ragged[1],
+            topk_ragged_indices=topk_ragged[0], topk_ragged_indptr=topk_ragged[1],
+            attn_sink=self.attn_sink, scale=self.scale,
             head_dim=self.head_dim, nope_head_dim=self.nope_head_dim,
             rope_head_dim=self.rope_head_dim, output=output,
             inv_rope_positions=positions if fuse else None,
@@ -324,10 +348,22 @@ class AmpereAttentionMixin:
         assert plan, "prefill chunk plan must be non-empty when num_prefills > 0"
         kv_rows = current_workspace_manager().get_simultaneous(
             *self._prefill_workspace_shapes(q))[0].view(-1, q.shape[-1])
-        for c0, c1, chunk_n, chunk_m in plan:
+        # Cross-layer reuse (yoco): the compressed rows of a chunk's gather and its combined
+        # lists are built once per forward by the first layer of their group.
+        fc = get_forward_context()
+
+        kv_source = None if swa_only else self._yoco_kv_source()
+
+        def gather_key(chunk):
+            return None if kv_source is None else yoco.gather_key(
+                kv_source, self.compress_ratio, comp_metadata, swa_metadata, chunk)
+        for c0, c1, chunk_n, chunk_m in yoco.chunk_order(fc, plan, gather_key):
             size = c1 - c0
-            kv = kv_rows[: size * chunk_m].view(size, chunk_m, -1)
-            if not swa_only:
+            chunk = (c0, c1, chunk_n, chunk_m)
+            kv, have_compressed = yoco.prefill_kv(
+                fc, gather_key(chunk), size, chunk_m, q.shape[-1], q.device,
+                lambda: kv_rows[: size * chunk_m].view(size, chunk_m, -1))
+            if not swa_only and not have_compressed:
                 block_table = comp_metadata.block_table[nd:]
                 gather(kv[:size], comp_cache, seq_lens=seq_lens[c0:c1] // self.compress_ratio,
                        gather_lens=None, block_table=block_table[c0:c1],
@@ -339,9 +375,13 @@ class AmpereAttentionMixin:
             qs = int(qsl_cpu[nd + c0] - base)
             qe = int(qsl_cpu[nd + c1] - base)
             extra = self._combine_extra_args(swa_metadata, nd_tok, qs, qe)
-            indices, lens = combine(topk_indices[qs:qe], qsl[nd + c0: nd + c1 + 1],
-                                    seq_lens[c0:c1], gather_lens[c0:c1], self.window_size,
-                                    self.compress_ratio, top_k, chunk_m, chunk_n, **extra)
+            indices, lens = yoco.reuse(
+                fc, yoco.combine_key(
+                    self._yoco_index_source(comp_metadata, swa_only), self.compress_ratio,
+                    self.window_size, top_k, swa_metadata, chunk, self._yoco_extra(extra)),
+                lambda: combine(topk_indices[qs:qe], qsl[nd + c0: nd + c1 + 1],
+                                seq_lens[c0:c1], gather_lens[c0:c1], self.window_size,
+                                self.compress_ratio, top_k, chunk_m, chunk_n, **extra))
             rocm_sparse_attn_prefill(
                 q=q[qs:qe], kv=kv.view(-1, 1, q.shape[-1]), indices=indices,
                 topk_length=lens, scale=self.scale, head_dim=self.head_dim,
@@ -350,6 +390,23 @@ class AmpereAttentionMixin:
 
     def _combine_extra_args(self, swa_metadata, nd_tok: int, qs: int, qe: int) -> dict[str, Any]:
         return {}
+
+    # ---- cross-layer reuse keys (vllm.deepinfer.yoco) ---------------------------------
+    # The model-specific subclass names its sources: ``_yoco_index_source`` (who wrote the
+    # top-k rows this layer reads: an index-source layer id, a metadata object's tag, None
+    # for SWA-only layers, yoco.NO_REUSE for a layer that shares with nobody) and
+    # ``_yoco_kv_source`` (whose compressed cache it reads; None: a cache nobody shares).
+    def _yoco_decode_key(self, swa_metadata, comp_metadata):
+        return yoco.decode_indices_key(
+            self._yoco_index_source(comp_metadata, False), self._yoco_kv_source(),
+            self.compress_ratio, swa_metadata, comp_metadata, swa_metadata.num_decode_tokens)
+
+    @staticmethod
+    def _yoco_extra(extra: dict[str, Any]):
+        """What else a combine call reads: per-token image visibility is not shared."""
+        if extra.get("left_visible") is not None or extra.get("right_visible") is not None:
+            return yoco.NO_REUSE
+        return extra.get("max_image_tokens", 0) or None
 
     # ---- o_proj ---------------------------------------------------------------------
     def _o_proj(self, attn_out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

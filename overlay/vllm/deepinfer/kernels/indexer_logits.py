@@ -101,7 +101,12 @@ def _to_fp16(x, HW_FP8: tl.constexpr, E4B15: tl.constexpr):
 # bytes and vLLM's aligned pages), and without that alignment fact the key loads lose their
 # 16-byte vectors (the decode rows of the H200 suite went from 62 to 83 us when it was
 # unspecialized at 80aad4c; h200-2026-11-29-one-layer-1687c8b.json has the slow rows).
-@triton.jit(do_not_specialize=["out_stride", "bt_stride", "block_size", "next_n"])
+# The row bounds and the block table come as slices of per-step metadata (a TP rank's row
+# window, the decode rows of a mixed batch) whose 16-byte alignment varies: not specialized
+# on it, so vLLM's warmup covers every launch (tests/test_warmup_coverage.py); they are read
+# a word per row / per key tile.
+@triton.jit(do_not_specialize=["out_stride", "bt_stride", "block_size", "next_n"],
+            do_not_specialize_on_alignment=["start_ptr", "end_ptr", "bt_ptr"])
 def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr, kscale_ptr,
                    bt_ptr, bt_stride, page_stride, block_size, next_n,
                    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,

@@ -83,7 +83,13 @@ TILES: dict[str, GatherTile] = {
 _REQ_BUCKETS = (16, 128, 1024)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "block_size", "offset"])
+# Not specialized: per-batch integers, and the metadata pointers, which the attention layers
+# pass as slices of per-step tensors (``seq_lens[c0:c1]``, ``block_table[nd:][c0:c1]``) whose
+# 16-byte alignment changes from chunk to chunk; vLLM's warmup compiles one binary per
+# configuration, and a launch whose key differs would compile while serving
+# (tests/test_warmup_coverage.py). They are read a few words per program: no vector loads lost.
+@triton.jit(do_not_specialize=["num_reqs", "block_size", "offset", "bt_stride"],
+            do_not_specialize_on_alignment=["seq_ptr", "gl_ptr", "bt_ptr"])
 def _gather_kernel(out_ptr, out_s0, out_s1, cache_ptr, page_stride, seq_ptr, gl_ptr, bt_ptr,
                    bt_stride, num_reqs, block_size, offset,
                    TOKENS: tl.constexpr, BLOCK_R: tl.constexpr, HAS_GATHER_LENS: tl.constexpr,

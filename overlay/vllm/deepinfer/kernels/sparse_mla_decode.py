@@ -288,7 +288,12 @@ def _predequant_kernel(
         tl.store(valid_ptr + row, valid.to(tl.uint8), mask=live)
 
 
-@triton.jit
+# Arguments that vary with the batch or the cache size rather than the model are not
+# specialized: otherwise Triton compiles one binary per divisibility class of each (a head
+# count of 8 under TP 8, a split count of 5, a cache of 1001 blocks), which vLLM's warmup
+# cannot enumerate and a request then compiles (vllm.deepinfer.warmup; the launch-key test
+# in tests/test_warmup_coverage.py). None of them feeds an address a vector load relies on.
+@triton.jit(do_not_specialize=["main_rows", "extra_rows", "num_heads", "num_splits"])
 def _sparse_mla_decode_kernel(
     q_ptr, main_cache_ptr, main_idx_ptr, main_indptr_ptr,
     extra_cache_ptr, extra_idx_ptr, extra_indptr_ptr,
@@ -404,7 +409,7 @@ def _sparse_mla_decode_kernel(
                  o.to(tl.bfloat16), mask=hmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])  # see the decode kernel
 def _sparse_mla_decode_reduce_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, out_ptr, pos_ptr, cs_ptr,
     out_stride0, out_stride1, cs_stride, num_heads, num_splits,

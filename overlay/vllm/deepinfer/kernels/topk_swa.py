@@ -79,8 +79,12 @@ _TILES = (CombineTile(128, 16, 128, 4), CombineTile(256, 2, 256, 4), CombineTile
 TILES: dict[str, tuple[CombineTile, ...]] = {v: _TILES for v in arch.VARIANTS}
 
 
+# The per-request metadata arrive as slices of per-step tensors (``query_start_loc[nd + c0:]``,
+# ``seq_lens[c0:c1]``) whose alignment changes between chunks: not specialized on it, so one
+# warmed binary serves every chunk (tests/test_warmup_coverage.py); they are read as scalars.
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "M", "N", "topk", "topk_v", "ratio",
-                                "window", "width_v"])
+                                "window", "width_v"],
+            do_not_specialize_on_alignment=["qsl_ptr", "seq_ptr", "gl_ptr"])
 def _combine_kernel(ci_ptr, ci_stride, cl_ptr, tk_ptr, tk_stride, qsl_ptr, seq_ptr, gl_ptr,
                     num_tokens, num_reqs, M, N, topk, topk_v, ratio, window, width_v,
                     TOKENS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr,

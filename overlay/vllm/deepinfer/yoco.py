@@ -1,0 +1,408 @@
+"""Cross-layer metadata reuse ("YOCO") for DeepSeek-V4.1/V4 sparse attention.
+
+In DeepSeek-V4.1 a few layers own the compressed KV cache (``kv_source_layer_ids``) and the
+indexer (``index_source_layer_ids``); every other compressed layer reads the cache of the
+latest KV source at or below it and the top-k its latest index source published into the
+shared ``topk_indices_buffer``. Whatever a layer derives from those alone is identical for
+every layer of its group, yet each layer rebuilds it. This module builds it once per forward
+and hands the same tensors to the rest of the group:
+
+=====================  =============================================  =====================
+product                key (what determines it)                       built by
+=====================  =============================================  =====================
+decode global indices  (index source, KV source, ratio)               the first layer of the
+  (ragged, + lens)     + the step's SWA / compressed metadata         group that decodes
+decode SWA lists       the step's SWA metadata + the cache's rows     the first layer
+  (ragged)             (every layer of the model)
+combined lists         (index source, ratio, window, top-k) + chunk   first layer per chunk
+  (prefill)            + the step's SWA metadata; SWA-only layers
+                       share one entry (index source ``None``)
+gathered compressed K  (KV source, ratio) + chunk                     the KV source layer
+  (prefill)            (rows [0, N) of the chunk's gather buffer)
+indexer K gather       the index-K cache (= its KV source) + chunk    the KV-source indexer
+  (prefill)
+=====================  =============================================  =====================
+
+V4.1's upstream layout (KV sources 2, 8, 14, 20; index sources 2, 8, 14, 20, 24, 28, 32, 36;
+ratios 2 then 1) goes from 38 decode global-index builds per step to 8. V4 has no KV sharing
+(every compressed layer owns its cache and, for C4A, its indexer), so there only the combined
+lists of its SWA-only layers and of the C128A layers that share one metadata object (top-k
+from the metadata builder) are reused.
+
+Lifetime and safety
+-------------------
+* One ``StepCache`` per forward: it hangs off vLLM's ``ForwardContext`` object (a new one per
+  ``set_forward_context``, i.e. per model forward, draft steps included), so it is cleared at
+  every forward without a hook, and a forward never sees another forward's products.
+* Keys hold the identities of the metadata objects the layers read (``id()`` of objects the
+  forward context keeps alive), so two layers share a product only if they would have read
+  the very same tensors; no key depends on tensor values.
+* CUDA graphs: which lookups hit is a function of the layer sequence and of which metadata
+  objects they read, never of data, so a captured forward and every replay run the same
+  launches. Products are allocated inside the forward (in the graph's pool during capture)
+  and referenced until the forward ends, so no later allocation of the captured forward can
+  alias them; under FULL capture no Python runs at replay at all. Eager-break and piecewise
+  modes run this Python again at each replay, with the replay's own (new) forward context.
+* The gathered compressed K lives in one persistent buffer (``GatherBuffer``), the only one
+  that must survive from the KV source's attention to its consumers': vLLM's workspace is
+  shared with the indexer and others between layers. Its size is bounded
+  (``GATHER_BUFFER_MAX_BYTES``); a chunk that does not fit is gathered into the workspace as
+  before, without reuse. It is reserved in the memory-profiling run.
+* Chunked prefill: keys carry the chunk's request range and its (N, M) geometry.
+  Speculative decode: the decode-token layout is part of the metadata the key names.
+  DCP/PCP: the reuse declines (``parallel_reason``); the Ampere classes refuse both anyway.
+
+Switch: feature ``yoco_reuse`` (``DEEPINFER_YOCO_REUSE=0`` turns it off; on by default on every
+variant). Importable without vLLM (the forward context is passed in by the callers).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from typing import Any, Callable, Hashable
+
+import torch
+
+from vllm.deepinfer import routing
+
+logger = logging.getLogger("vllm.deepinfer")
+
+__all__ = ["FEATURE", "StepCache", "GatherBuffer", "enabled", "step_cache", "reuse",
+           "decode_indices_key", "swa_ragged_key", "combine_key", "gather_key", "indexer_k_key", "totals",
+           "reset_totals", "parallel_reason", "gather_buffer", "reserve_gather_buffer",
+           "GATHER_BUFFER_MAX_BYTES", "INDEXER_K_MAX_ROWS", "NO_REUSE",
+           "indexer_k_rows", "reserve_indexer_k", "prefill_kv", "chunk_order"]
+
+FEATURE = "yoco_reuse"
+# The attribute of vLLM's ForwardContext that holds the forward's StepCache.
+_ATTR = "_deepinfer_yoco"
+
+# Product kinds (the first element of every key; counters are kept per kind).
+DECODE_INDICES = "decode_indices"
+SWA_RAGGED = "swa_ragged"
+COMBINE = "combine"
+GATHER = "gather"
+INDEXER_K = "indexer_k"
+
+# An index source that shares with nobody (V4's C4A layers index themselves): no lookup.
+NO_REUSE = object()
+
+# Upper bound of the persistent prefill gather buffer. A chunk's gather is
+# size x M rows of 1 KiB (512 bf16) where M = compressed rows + SWA rows of its widest
+# request; one 32K-context request at ratio 1 with an 8K chunk is (32768 + 8192 + 127) rows,
+# 40 MiB, four such requests 160 MiB. 256 MiB covers the 8K/32K chunks this project
+# measures and costs ~0.3% of an 80 GB A100; a wider chunk is gathered into vLLM's
+# workspace as before (no reuse), so correctness never depends on the bound.
+GATHER_BUFFER_MAX_BYTES = 256 << 20
+# Upper bound of the persistent indexer-K gather (rows of 128 e4m3 codes + one fp32 scale,
+# 132 B): 512K rows = 66 MiB cover a 512K-token context at ratio 1; longer gathers go to the
+# workspace as upstream does.
+INDEXER_K_MAX_ROWS = 512 * 1024
+
+_totals: collections.Counter = collections.Counter()
+
+
+def enabled() -> bool:
+    """The ``yoco_reuse`` feature on this process's variant (decided once per process)."""
+    return routing.use(FEATURE)
+
+
+def totals() -> dict[str, int]:
+    """Builds and hits per product kind since the last ``reset_totals()`` (every forward of
+    this process): ``{"decode_indices.build": 8, "decode_indices.hit": 30, ...}``."""
+    return dict(_totals)
+
+
+def reset_totals() -> None:
+    _totals.clear()
+
+
+def parallel_reason(dcp: int = 1, pcp: int = 1) -> str | None:
+    """Why reuse must decline under this parallelism, or None. With DCP each rank holds a
+    shard of the context and the indexer merges top-k across ranks; with PCP each rank
+    attends its own query slice with its own gathered cache: the products are per rank
+    and per layer kind in ways the keys above do not name."""
+    if dcp > 1:
+        return f"decode context parallelism (DCP {dcp})"
+    if pcp > 1:
+        return f"prefill context parallelism (PCP {pcp})"
+    return None
+
+
+class StepCache:
+    """What the layers of one forward share. ``get(key, build)`` returns the entry under
+    ``key`` or stores ``build()`` there. Keys whose second element (the group tag) is an
+    int are V4.1 index sources, which increase through the layers: when a larger one
+    appears, entries of smaller ones can never be read again and are dropped, so at most one
+    index group's products (plus the tag-less and metadata-tagged ones) are alive."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Hashable, Any] = {}
+        self._group = -1
+        self.builds: collections.Counter = collections.Counter()
+        self.hits: collections.Counter = collections.Counter()
+        # The key of the compressed rows the gather buffer holds in this forward, if any.
+        self.gather_holder: Hashable | None = None
+        self.indexer_k_holder: Hashable | None = None
+        # Where the last gathering indexer chunk put its rows ("own" buffer or None).
+        self.indexer_k_last: str | None = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _advance(self, tag: Any) -> None:
+        if isinstance(tag, int) and not isinstance(tag, bool) and tag > self._group:
+            self._group = tag
+            stale = [k for k in self._entries
+                     if isinstance(k[1], int) and not isinstance(k[1], bool) and k[1] < tag]
+            for k in stale:
+                del self._entries[k]
+
+    def get(self, key: tuple, build: Callable[[], Any]) -> Any:
+        self._advance(key[1])
+        hit = self._entries.get(key)
+        if hit is not None:
+            self.count(key[0], hit=True)
+            return hit
+        value = build()
+        self._entries[key] = value
+        self.count(key[0], hit=False)
+        return value
+
+    def count(self, kind: str, hit: bool) -> None:
+        (self.hits if hit else self.builds)[kind] += 1
+        _totals[f"{kind}.{'hit' if hit else 'build'}"] += 1
+
+
+def step_cache(forward_context: Any) -> StepCache | None:
+    """This forward's cache (created on first use), or None when the feature is off or
+    there is no forward context (profile runs without one, tests)."""
+    if forward_context is None or not enabled():
+        return None
+    cache = getattr(forward_context, _ATTR, None)
+    if cache is None:
+        cache = StepCache()
+        setattr(forward_context, _ATTR, cache)
+    return cache
+
+
+def reuse(forward_context: Any, key: tuple | None, build: Callable[[], Any]) -> Any:
+    """``build()`` once per forward and ``key``; every call when the feature is off or the
+    key is None (a layer that shares with nobody)."""
+    cache = step_cache(forward_context) if key is not None else None
+    return build() if cache is None else cache.get(key, build)
+
+
+# ----------------------------------------------------------------------------- keys
+def _tag(index_source: Any) -> Any:
+    return index_source
+
+
+def decode_indices_key(index_source: Any, kv_source: Any, ratio: int, swa_metadata: Any,
+                       comp_metadata: Any, num_tokens: int) -> tuple | None:
+    """Decode global top-k indices and lens: the index source's local top-k (shared
+    ``topk_indices_buffer``) mapped through the KV source's block table at the ratio's block
+    size, masked by the step's valid tokens."""
+    if index_source is NO_REUSE:
+        return None
+    return (DECODE_INDICES, _tag(index_source), kv_source, int(ratio), id(swa_metadata),
+            id(comp_metadata), int(num_tokens))
+
+
+def swa_ragged_key(swa_metadata: Any, num_rows: int) -> tuple:
+    """The decode's ragged SWA-window lists: the step's SWA metadata (one per SWA cache
+    group) and the cache's row count (slots past it are dropped), shared by every layer."""
+    return (SWA_RAGGED, None, id(swa_metadata), int(num_rows))
+
+
+def combine_key(index_source: Any, ratio: int, window: int, topk: int, swa_metadata: Any,
+                chunk: tuple[int, int, int, int], extra: Hashable = None) -> tuple | None:
+    """One prefill chunk's combined (top-k + SWA) lists. ``chunk`` = (first request, end
+    request, N, M) of the layer's chunk plan; ``extra`` names anything else the lists read
+    (V4's image visibility: such calls are not shared, pass NO_REUSE)."""
+    if index_source is NO_REUSE or extra is NO_REUSE:
+        return None
+    return (COMBINE, _tag(index_source), int(ratio), int(window), int(topk),
+            id(swa_metadata), tuple(int(x) for x in chunk), extra)
+
+
+def gather_key(kv_source: Any, ratio: int, comp_metadata: Any, swa_metadata: Any,
+               chunk: tuple[int, int, int, int]) -> tuple:
+    """The compressed rows [0, N) of one prefill chunk's gather: the KV source's cache read
+    through its block table at the ratio's block size."""
+    return (GATHER, None, kv_source, int(ratio), id(comp_metadata), id(swa_metadata),
+            tuple(int(x) for x in chunk))
+
+
+def indexer_k_key(k_cache_prefix: str, chunk: Any) -> tuple:
+    """One indexer prefill chunk's K gather from the index-K cache ``k_cache_prefix`` (owned
+    by a KV source; the index sources after it share it)."""
+    return (INDEXER_K, None, k_cache_prefix, id(chunk))
+
+
+# ----------------------------------------------------------------------------- gather buffer
+@dataclasses.dataclass
+class GatherBuffer:
+    """The persistent bf16 prefill gather buffer (one per device).
+
+    A chunk's gather is a [size, M, 512] view: for request r, rows [0, N) hold the
+    compressed keys (shared by the KV source's group), rows [N, M) the layer's own SWA
+    keys. Only layers with a compressed cache use it; their SWA gather writes rows [N, M)
+    and leaves [0, N) alone, so the compressed rows survive from the KV source's layer to
+    its consumers as long as nobody else writes them (vLLM's workspace is shared with the
+    indexer and others between layers: hence a buffer of our own). ``generation`` counts
+    reallocations: a reallocated buffer holds nothing."""
+    tensor: torch.Tensor | None = None
+    max_bytes: int = GATHER_BUFFER_MAX_BYTES
+    generation: int = 0
+
+    def view(self, size: int, m: int, dim: int, device, dtype=torch.bfloat16):
+        """A [size, m, dim] view, or None when it would exceed ``max_bytes``."""
+        need = size * m * dim
+        if need * torch.finfo(dtype).bits // 8 > self.max_bytes:
+            return None
+        t = self.tensor
+        if t is None or t.numel() < need or t.device != torch.device(device) or t.dtype != dtype:
+            self.tensor = t = torch.empty(need, dtype=dtype, device=device)
+            self.generation += 1
+        return t[:need].view(size, m, dim)
+
+    def reserve(self, nbytes: int, device, dtype=torch.bfloat16) -> None:
+        """Allocate up to ``min(nbytes, max_bytes)`` now (the memory-profiling run), so the
+        KV-cache sizing that follows accounts for it."""
+        n = min(int(nbytes), self.max_bytes) * 8 // torch.finfo(dtype).bits
+        t = self.tensor
+        if n > 0 and (t is None or t.numel() < n or t.device != torch.device(device)):
+            self.tensor = torch.empty(n, dtype=dtype, device=device)
+            self.generation += 1
+
+
+_GATHER_BUFFERS: dict[str, GatherBuffer] = {}
+
+
+def gather_buffer(device) -> GatherBuffer:
+    key = str(torch.device(device))
+    buf = _GATHER_BUFFERS.get(key)
+    if buf is None:
+        buf = _GATHER_BUFFERS[key] = GatherBuffer()
+    return buf
+
+
+def reserve_gather_buffer(nbytes: int, device) -> None:
+    if enabled():
+        gather_buffer(device).reserve(nbytes, device)
+
+
+def prefill_kv(forward_context: Any, key: tuple | None, size: int, m: int, dim: int, device,
+               fallback: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """The [size, m, dim] gather view of one prefill chunk, and whether its compressed rows
+    [0, N) already hold what ``key`` (``gather_key``) names in this forward (then the caller
+    gathers only its SWA rows). ``fallback()`` (vLLM's workspace view) is used, and False
+    returned, when the feature is off, the layer has no compressed cache (``key`` None) or
+    the chunk exceeds the buffer's bound; otherwise the caller must gather the compressed
+    rows into the returned view, which then holds ``key``."""
+    cache = step_cache(forward_context) if key is not None else None
+    if cache is None:
+        return fallback(), False
+    buf = gather_buffer(device)
+    kv = buf.view(size, m, dim, device)
+    if kv is None:
+        return fallback(), False
+    held = (buf.generation, key)
+    if cache.gather_holder == held:
+        cache.count(GATHER, hit=True)
+        return kv, True
+    cache.gather_holder = held
+    cache.count(GATHER, hit=False)
+    return kv, False
+
+
+def chunk_order(forward_context: Any, plan: list, key_of: Callable[[tuple], tuple | None]):
+    """``plan`` with the chunk whose compressed rows the gather buffer holds first (a
+    consumer layer then reuses them before its other chunks overwrite them); each chunk
+    writes its own output rows, so the order changes no result."""
+    cache = step_cache(forward_context)
+    if cache is None or cache.gather_holder is None or len(plan) < 2:
+        return plan
+    held = cache.gather_holder[1]
+    first = [c for c in plan if key_of(tuple(c)) == held]
+    return first + [c for c in plan if key_of(tuple(c)) != held]
+
+
+# ----------------------------------------------------------------------------- indexer K
+@dataclasses.dataclass
+class _IndexerKBuffer:
+    values: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+
+_INDEXER_K: dict[str, _IndexerKBuffer] = {}
+
+
+def _indexer_k_buffer(rows: int, like_values: torch.Tensor,
+                      like_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if rows > INDEXER_K_MAX_ROWS:
+        return None
+    key = str(like_values.device)
+    buf = _INDEXER_K.setdefault(key, _IndexerKBuffer())
+    v, s = buf.values, buf.scales
+    if (v is None or v.shape[0] < rows or v.shape[1:] != like_values.shape[1:]
+            or v.dtype != like_values.dtype or s.shape[1:] != like_scales.shape[1:]):
+        cap = max(rows, 0 if v is None else v.shape[0])
+        buf.values = v = like_values.new_empty((cap, *like_values.shape[1:]))
+        buf.scales = s = like_scales.new_empty((cap, *like_scales.shape[1:]))
+    return v[:rows], s[:rows]
+
+
+def reserve_indexer_k(rows: int, values_spec, scales_spec, device) -> None:
+    """Allocate the persistent indexer-K buffer in the memory-profiling run: ``*_spec`` are
+    upstream's (shape, dtype) of the workspace gather (rows first)."""
+    if not enabled():
+        return
+    n = min(int(rows), INDEXER_K_MAX_ROWS)
+    if n <= 0:
+        return
+    (vshape, vdtype), (sshape, sdtype) = values_spec, scales_spec
+    like_v = torch.empty((0, *vshape[1:]), dtype=vdtype, device=device)
+    like_s = torch.empty((0, *sshape[1:]), dtype=sdtype, device=device)
+    _indexer_k_buffer(n, like_v, like_s)
+
+
+def indexer_k_rows(forward_context: Any, k_cache_prefix: str, chunk: Any,
+                   k_quant: torch.Tensor, k_scale: torch.Tensor,
+                   gather: Callable[[torch.Tensor, torch.Tensor], None], *, gathers: bool,
+                   shareable: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (values, scales) rows an indexer prefill chunk scores (patch 0041, in upstream's
+    ``sparse_attn_indexer``); ``k_quant``/``k_scale`` are upstream's workspace views and
+    ``gather(values, scales)`` is upstream's K gather into a pair of views.
+
+    ``gathers`` False is a chunk that reads the previous chunk's gather (upstream's
+    ``skip_kv_gather``: another query slice of the same requests, or nothing to gather).
+    Index sources that share one KV source's index-K cache also share its metadata and
+    chunk objects, so the second and later ones get the first one's rows back (key: the
+    cache's prefix and the chunk). The rows live in a persistent buffer of their own
+    (the workspace is rewritten by other layers in between); a gather wider than
+    ``INDEXER_K_MAX_ROWS``, a non-shareable call (DCP/PCP, the caller decides) or the
+    feature off gathers into the workspace exactly as upstream."""
+    cache = step_cache(forward_context) if shareable else None
+    own = None if cache is None else _indexer_k_buffer(k_quant.shape[0], k_quant, k_scale)
+    if own is None:
+        if cache is not None:
+            cache.indexer_k_last = None
+        if gathers:
+            gather(k_quant, k_scale)
+        return k_quant, k_scale
+    if not gathers:
+        # Upstream reads the workspace's first rows, where the previous chunk of this call
+        # gathered; follow that gather wherever it went.
+        return own if cache.indexer_k_last == "own" else (k_quant, k_scale)
+    key = indexer_k_key(k_cache_prefix, chunk)
+    cache.indexer_k_last = "own"
+    if cache.indexer_k_holder == key:
+        cache.count(INDEXER_K, hit=True)
+        return own
+    gather(*own)
+    cache.indexer_k_holder = key
+    cache.count(INDEXER_K, hit=False)
+    return own

@@ -1,0 +1,223 @@
+"""No compile while serving, proven on a CPU: every launch our kernels make over a grid of
+realistic calls finds, in Triton's JIT cache, a key that vLLM's warmup compiled
+(vllm.deepinfer.warmup).
+
+Both sides are Triton's own cache keys (tests/launch_keys.py: argument types, the runtime
+specialization of ints and pointers, the launch options), computed for a CUDA target
+without a GPU: the warmup's from ``warmup_args(key)`` as ``JITFunction.warmup`` binds them,
+the launches' from the real launchers called with production geometry (V4.1: SWA pages of
+32, compressed pages of 128, 64 on sm90; V4: SWA 64, C4A 64, C128A 2), head counts of TP 1
+to 8, batch sizes from 1 to past the request buckets, chunks that start at odd requests (the
+metadata slices that move pointer alignment) and the SM counts of A100, A10/A40/RTX 3090 and
+H200. Launches are intercepted, not run, so the grid costs milliseconds. A launch outside
+the warmup is printed with its full key (what to add to the warmup or to the kernel's
+``do_not_specialize``).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+
+from launch_keys import describe, key_of, recording
+from vllm.deepinfer import arch
+from vllm.deepinfer import warmup as wu
+from vllm.deepinfer.kernels import indexer_logits as il
+from vllm.deepinfer.kernels import kv_gather as kg
+from vllm.deepinfer.kernels import shapes as sh
+from vllm.deepinfer.kernels import sparse_mla_decode as smd
+from vllm.deepinfer.kernels import topk_swa as ts
+from vllm.deepinfer.kv_record import new_cache
+
+VARIANTS = ("sm80", "sm90")
+# SM counts: A100 108, RTX 3090 82, A10 72, H200 132.
+SM_COUNTS = (108, 82, 72, 132)
+CC = {"sm80": 80, "sm90": 90}
+I32 = dict(dtype=torch.int32)
+
+
+def _models(variant, tps=(1,)):
+    """ModelShapes of V4.1 and V4 (64 heads, split by TP); V4 at 8K and 1M context (its C128A
+    top-k width follows the context; nothing of V4.1's does)."""
+    return [wu.ModelShapes(window=128, compress_ratios=ratios, topk=512, heads=64 // tp,
+                           model=model, max_model_len=ctx)
+            for model, ratios, ctxs in (("v41", (0, 1, 2), (8192,)),
+                                        ("v4", (1, 4, 128), (8192, 1 << 20)))
+            for ctx in ctxs for tp in tps]
+
+
+def _warm_keys(shapes, variant):
+    out: dict[str, set] = {}
+    for k in wu.keys(shapes, variant, features=list(wu._KEYS), sm_count=max(SM_COUNTS)):
+        kern, _ = wu._kernel_and_signature(k.kernel)
+        args, ce = wu.warmup_args(k)
+        out.setdefault(kern.fn.__name__, set()).add(
+            key_of(kern, args, dict(ce, **wu.launch_options(k)), CC[variant]))
+    return out
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """Launchers as on a GPU: the interpreter's fp32-dot switch off, the SM count set."""
+    monkeypatch.setattr(arch, "interpreting", lambda: False)
+
+    def set_sms(n):
+        monkeypatch.setattr(arch, "sm_count", lambda device=None: n)
+    return set_sms
+
+
+def _uncovered(seen, warm) -> list[str]:
+    return sorted({describe(kern, key) for kern, key in seen
+                   if key not in warm.get(kern.fn.__name__, ())})
+
+
+# ----------------------------------------------------------------------------- decode
+@functools.cache
+def _zeros(shape: tuple, dtype=torch.int32):
+    """Launches are not run: one read-only tensor per shape serves every call."""
+    return torch.zeros(shape, dtype=dtype)
+
+
+def _decode_calls(shapes, variant):
+    swa_bs = shapes.swa_page
+    heads = shapes.heads
+    # Odd block counts: the row counts the kernel bounds-checks against are not multiples of 16.
+    swa = new_cache(101, swa_bs)
+    cs = torch.zeros(4096, 64)  # fp32 cos | sin (upstream's V4 rotary cache)
+    for ratio, tokens in itertools.product(shapes.compress_ratios, (1, 3, 64)):
+        q = _zeros((tokens, heads, 512), torch.bfloat16)
+        mi = _zeros((tokens * shapes.window,))
+        mp = torch.arange(tokens + 1, **I32) * shapes.window
+        pos = _zeros((tokens,), torch.int64)
+        kw = {}
+        if not shapes.swa_only(ratio):
+            width = shapes.c128a_topk if ratio >= 128 else shapes.topk
+            kw = dict(extra_cache=new_cache(33, shapes.extra_page(ratio, variant)),
+                      extra_indices=_zeros((tokens * width,)),
+                      extra_indptr=torch.arange(tokens + 1, **I32) * width)
+        yield lambda: smd.sparse_attn_decode(
+            q, swa, mi, mp, 0.04, torch.zeros(heads), 448, 64, **kw, inv_rope_positions=pos,
+            inv_rope_cos_sin_cache=cs, variant=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_launches_are_warmed(variant, gpu_like):
+    for shapes in _models(variant, tps=(1, 2, 4, 8)):
+        warm = _warm_keys(shapes, variant)
+        with recording(CC[variant]) as seen:
+            for sms in SM_COUNTS:
+                gpu_like(sms)
+                for call in _decode_calls(shapes, variant):
+                    call()
+        names = {k.fn.__name__ for k, _ in seen}
+        assert names == {"_sparse_mla_decode_kernel", "_sparse_mla_decode_reduce_kernel"}
+        assert not _uncovered(seen, warm), "\n".join(_uncovered(seen, warm))
+
+
+# ----------------------------------------------------------------------------- prefill
+def _chunks(num_reqs):
+    """The attention layers' chunk loop: requests [c0, c1) after ``nd`` decodes."""
+    for nd, c0, c1 in ((0, 0, num_reqs), (3, 1, num_reqs), (1, 2, num_reqs)):
+        if c1 > c0:
+            yield nd, c0, c1
+
+
+def _prefill_calls(shapes, variant):
+    for num_reqs in (1, 17, 130):  # the gather's request buckets: 16, 128, 1024
+        seq = torch.full((num_reqs + 3,), 300, **I32)
+        gl = torch.full((num_reqs + 3,), 200, **I32)
+        qsl = torch.arange(num_reqs + 4, **I32) * 50
+        bt = torch.zeros(num_reqs + 3, 37, **I32)  # an odd number of blocks per request
+        topk = torch.zeros(50 * (num_reqs + 3), 512, **I32)
+        for nd, c0, c1 in _chunks(num_reqs):
+            n = c1 - c0
+            for ratio in shapes.compress_ratios:
+                out = _zeros((n, 700, 512), torch.bfloat16)
+                swa = new_cache(50, shapes.swa_page)
+
+                def swa_gather(out=out, swa=swa, nd=nd, c0=c0, c1=c1):
+                    kg.dequantize_and_gather_k_cache(
+                        out, swa, seq[c0:c1], gl[c0:c1], bt[nd:][c0:c1], shapes.swa_page, 400,
+                        variant=variant)
+                yield swa_gather
+                if not shapes.swa_only(ratio):
+                    page = shapes.extra_page(ratio, variant)
+                    comp = new_cache(50, page)
+
+                    def comp_gather(out=out, comp=comp, nd=nd, c0=c0, c1=c1, page=page, r=ratio):
+                        kg.dequantize_and_gather_k_cache(
+                            out, comp, seq[c0:c1] // r, None, bt[nd:][c0:c1], page, 0,
+                            variant=variant)
+                    yield comp_gather
+                # C128A: the step's active width, a power of two from 128 up to the model's
+                widths = [0] if shapes.swa_only(ratio) else (
+                    [shapes.topk] if ratio < 128 else
+                    sorted({min(w, shapes.c128a_topk) for w in (128, 256, 1024, 8192)}))
+                for w in widths:
+                    tk = topk if w <= 512 else _zeros((topk.shape[0], w))
+
+                    def combine(tk=tk, w=w, r=ratio, nd=nd, c0=c0, c1=c1):
+                        qs, qe = int(qsl[nd + c0] - qsl[nd]), int(qsl[nd + c1] - qsl[nd])
+                        ts.combine_topk_swa_indices(
+                            tk[qs:qe], qsl[nd + c0: nd + c1 + 1], seq[c0:c1], gl[c0:c1],
+                            shapes.window, r, w, 700, 300, variant=variant)
+                    yield combine
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_gather_and_combine_launches_are_warmed(variant, gpu_like):
+    for shapes in _models(variant):
+        warm = _warm_keys(shapes, variant)
+        with recording(CC[variant]) as seen:
+            gpu_like(108)  # the SM count sizes the grid only, which is not part of the key
+            for call in _prefill_calls(shapes, variant):
+                call()
+        names = {k.fn.__name__ for k, _ in seen}
+        assert names == {"_gather_kernel", "_combine_kernel"}
+        assert not _uncovered(seen, warm), "\n".join(_uncovered(seen, warm))
+
+
+# ----------------------------------------------------------------------------- indexer
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_indexer_logits_launches_are_warmed(variant, gpu_like):
+    shapes = _models(variant)[0]
+    warm = _warm_keys(shapes, variant)
+    heads, page = shapes.index_heads, sh.compressed_page(variant)
+    cache = torch.zeros(77, page, 132, dtype=torch.uint8)
+    with recording(CC[variant]) as seen:
+        for sms in (108, 132):
+            gpu_like(sms)
+            for batch, next_n in ((1, 1), (3, 1), (64, 1), (4, 2), (5, 3)):
+                rows = batch * next_n
+                q = torch.zeros(batch, next_n, heads, 128, dtype=torch.uint8)
+                lens = torch.full((batch, next_n) if next_n > 1 else (batch,), 700, **I32)
+                bt = torch.zeros(batch + 2, 41, **I32)[1:]
+                il.paged_mqa_logits(q, cache, torch.zeros(rows, heads), lens, bt, 8192,
+                                    variant=variant)
+            for rows, keys in ((1, 100), (7, 3000), (130, 8192)):
+                ks = torch.zeros(rows + 3, **I32)
+                il.mqa_logits(torch.zeros(rows + 3, heads, 128, dtype=torch.uint8)[3:],
+                              torch.zeros(keys, 128, dtype=torch.uint8), torch.ones(keys),
+                              torch.zeros(rows + 3, heads)[3:], ks[3:], ks[3:] + keys, keys,
+                              variant=variant)
+    assert {k.fn.__name__ for k, _ in seen} == {"_logits_kernel"}
+    assert not _uncovered(seen, warm), "\n".join(_uncovered(seen, warm))
+
+
+def test_the_oracle_sees_a_specialization_change():
+    """A launch with a head count of 8 on a kernel that specializes it would have compiled
+    again: the oracle tells the two keys apart (so the tests above can fail)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(x_ptr, n):
+        tl.store(x_ptr + tl.arange(0, 16), tl.zeros((16,), tl.float32) + n)
+
+    x = torch.zeros(32)
+    assert key_of(k, [x, 64], {}) != key_of(k, [x, 8], {})      # divisibility by 16
+    assert key_of(k, [x, 64], {}) != key_of(k, [x[1:], 64], {})  # 16-byte alignment
+    assert key_of(k, [torch.float32, 16], {}) == key_of(k, [x, 64], {})  # warmup form
+    assert key_of(k, [x, 64], {"num_warps": 4}) != key_of(k, [x, 64], {})  # options count

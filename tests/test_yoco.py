@@ -1,0 +1,265 @@
+"""Cross-layer metadata reuse (vllm.deepinfer.yoco) without vLLM: the per-forward cache, its
+keys on upstream's real V4.1 layout, the gather and indexer-K buffers. The real V4.1 Ampere
+layers with reuse on and off are tests/test_vllm_import.py's yoco tests; the upstream paths
+patched to use it (FlashMLA decode, the indexer's K gather) are probed there too."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm.deepinfer import routing, yoco
+
+# Upstream's V4.1 layout (40 layers): KV sources and index sources, ratios 0 for layers 0-1,
+# 2 for 2-19, 1 for 20-39.
+LAYERS = 40
+KV_SOURCES = (2, 8, 14, 20)
+INDEX_SOURCES = (2, 8, 14, 20, 24, 28, 32, 36)
+RATIOS = [0, 0] + [2] * 18 + [1] * 20
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.delenv("DEEPINFER_YOCO_REUSE", raising=False)
+    monkeypatch.delenv("DEEPINFER_DISABLE", raising=False)
+    routing.reset()
+    yoco.reset_totals()
+    yield monkeypatch
+    routing.reset()
+
+
+def _off(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_YOCO_REUSE", "0")
+    routing.reset()
+
+
+def _sources(layer: int):
+    if RATIOS[layer] == 0:
+        return None, None
+    return (max(s for s in INDEX_SOURCES if s <= layer),
+            f"model.layers.{max(s for s in KV_SOURCES if s <= layer)}.attn")
+
+
+def _forward(ctx, swa_md, comp_md, chunks, built):
+    """One forward of the 40-layer layout: what each layer looks up, in layer order."""
+    seq = []
+    for layer in range(LAYERS):
+        idx, kv = _sources(layer)
+        r = RATIOS[layer]
+        if r:
+            key = yoco.decode_indices_key(idx, kv, r, swa_md, comp_md[kv], 3)
+            got = yoco.reuse(ctx, key, lambda: built.append(("decode", layer)) or object())
+            seq.append(("decode", layer, id(got)))
+        for chunk in chunks:
+            key = yoco.combine_key(idx, r, 128, 512 if r else 0, swa_md, chunk)
+            got = yoco.reuse(ctx, key, lambda: built.append(("combine", layer)) or object())
+            seq.append(("combine", layer, id(got)))
+    return seq
+
+
+def _metadata():
+    swa = types.SimpleNamespace()
+    comp = {f"model.layers.{s}.attn": types.SimpleNamespace() for s in KV_SOURCES}
+    return swa, comp
+
+
+def test_feature_is_on_everywhere_and_switchable(fresh):
+    from vllm.deepinfer import envs
+    assert yoco.FEATURE in envs.FEATURES
+    assert all(envs.enabled(yoco.FEATURE, v) for v in ("sm80", "sm86", "sm89", "sm90", "sm100", "cpu"))
+    assert yoco.enabled()
+    _off(fresh)
+    assert not yoco.enabled()
+    assert yoco.step_cache(types.SimpleNamespace()) is None
+
+
+def test_upstream_layout_decode_builds_8_of_38(fresh):
+    swa, comp = _metadata()
+    built: list = []
+    _forward(types.SimpleNamespace(), swa, comp, [], built)
+    assert len(built) == 8 and sorted(layer for _, layer in built) == list(INDEX_SOURCES)
+    assert yoco.totals() == {"decode_indices.build": 8, "decode_indices.hit": 30}
+    built.clear()
+    _off(fresh)
+    _forward(types.SimpleNamespace(), swa, comp, [], built)
+    assert len(built) == 38  # every compressed layer, as upstream
+
+
+def test_upstream_layout_prefill_combine_per_chunk(fresh):
+    """Per prefill chunk: SWA-only layers 0-1 share one list, each index group one: 9 of 40."""
+    swa, comp = _metadata()
+    built: list = []
+    chunks = [(0, 1, 4096, 4096 + 2175), (1, 3, 100, 400)]
+    _forward(types.SimpleNamespace(), swa, comp, chunks, built)
+    combine = [layer for kind, layer in built if kind == "combine"]
+    assert len(combine) == 9 * len(chunks)
+    assert sorted(set(combine)) == [0] + list(INDEX_SOURCES)
+
+
+def test_each_forward_starts_empty_and_repeats_its_pattern(fresh):
+    """The hit/build pattern depends on the layer sequence only: two forwards (new context
+    objects, as vLLM makes per forward) build and hit in the same places, each its own."""
+    swa, comp = _metadata()
+    b1: list = []
+    b2: list = []
+    s1 = _forward(types.SimpleNamespace(), swa, comp, [(0, 1, 8, 16)], b1)
+    s2 = _forward(types.SimpleNamespace(), swa, comp, [(0, 1, 8, 16)], b2)
+    assert b1 == b2
+
+    def shape(seq):  # which layers returned the product some earlier layer built
+        first: dict = {}
+        return [(k, layer, first.setdefault(obj, layer)) for k, layer, obj in seq]
+    assert shape(s1) == shape(s2)
+
+
+def test_keys_name_the_metadata_objects():
+    """Two layers share only if they read the very same metadata objects."""
+    a, b = types.SimpleNamespace(), types.SimpleNamespace()
+    k = yoco.decode_indices_key(20, "L20", 1, a, a, 4)
+    assert k == yoco.decode_indices_key(20, "L20", 1, a, a, 4)
+    assert k != yoco.decode_indices_key(20, "L20", 1, b, a, 4)
+    assert k != yoco.decode_indices_key(24, "L20", 1, a, a, 4)
+    assert k != yoco.decode_indices_key(20, "L20", 2, a, a, 4)
+    assert yoco.decode_indices_key(yoco.NO_REUSE, "L", 1, a, a, 4) is None
+    assert yoco.combine_key(20, 1, 128, 512, a, (0, 1, 2, 3), yoco.NO_REUSE) is None
+    assert yoco.combine_key(20, 1, 128, 512, a, (0, 1, 2, 3)) != \
+        yoco.combine_key(20, 1, 128, 512, a, (0, 1, 2, 4))
+
+
+def test_older_index_groups_are_dropped():
+    """Index sources increase through the layers: a group's entries go when the next
+    group's first lookup comes; SWA-only (None) and metadata-tagged entries stay."""
+    c = yoco.StepCache()
+    md = types.SimpleNamespace()
+    c.get(("combine", None, 0), object)
+    c.get(("combine", ("c128a", 1), 0), object)
+    c.get(("decode_indices", 2, 0), object)
+    c.get(("decode_indices", 8, 0), object)
+    assert len(c) == 3 and ("decode_indices", 2, 0) not in c._entries
+    del md
+
+
+def test_reuse_off_builds_every_time(fresh):
+    _off(fresh)
+    ctx = types.SimpleNamespace()
+    n = []
+    for _ in range(3):
+        yoco.reuse(ctx, ("decode_indices", 2, 0), lambda: n.append(1) or 1)
+    assert len(n) == 3 and not hasattr(ctx, "_deepinfer_yoco")
+
+
+def test_parallel_reason():
+    assert yoco.parallel_reason() is None
+    assert "DCP" in yoco.parallel_reason(dcp=2) and "PCP" in yoco.parallel_reason(pcp=2)
+
+
+# ----------------------------------------------------------------------------- gather buffer
+def test_prefill_kv_holds_compressed_rows_across_layers(fresh):
+    ctx = types.SimpleNamespace()
+    ws = torch.zeros(4 * 64 * 8)
+    fallback = lambda: ws[: 2 * 16 * 8].view(2, 16, 8)  # noqa: E731
+    key = yoco.gather_key("L20", 1, object(), object(), (0, 2, 10, 16))
+    kv, have = yoco.prefill_kv(ctx, key, 2, 16, 8, "cpu", fallback)
+    assert not have and kv.data_ptr() != ws.data_ptr()
+    kv[:, :10] = 3.0                       # the KV source gathers its compressed rows
+    kv[:, 10:] = 1.0                       # and its SWA rows
+    kv2, have2 = yoco.prefill_kv(ctx, key, 2, 16, 8, "cpu", fallback)
+    assert have2 and kv2.data_ptr() == kv.data_ptr() and bool((kv2[:, :10] == 3.0).all())
+    other = yoco.gather_key("L14", 2, object(), object(), (0, 2, 10, 16))
+    _, have3 = yoco.prefill_kv(ctx, other, 2, 16, 8, "cpu", fallback)
+    assert not have3                       # another KV source took the buffer
+    _, have4 = yoco.prefill_kv(ctx, key, 2, 16, 8, "cpu", fallback)
+    assert not have4                       # ... so this one regathers
+    # A new forward never sees the last one's rows.
+    _, have5 = yoco.prefill_kv(types.SimpleNamespace(), key, 2, 16, 8, "cpu", fallback)
+    assert not have5
+    # No key (SWA-only layer) or feature off: the workspace, always gathered.
+    assert yoco.prefill_kv(ctx, None, 2, 16, 8, "cpu", fallback)[0].data_ptr() == ws.data_ptr()
+    _off(fresh)
+    kv6, have6 = yoco.prefill_kv(ctx, key, 2, 16, 8, "cpu", fallback)
+    assert not have6 and kv6.data_ptr() == ws.data_ptr()
+
+
+def test_gather_buffer_bound_and_reallocation(fresh):
+    buf = yoco.GatherBuffer(max_bytes=2 * 16 * 8 * 2)
+    assert buf.view(2, 16, 8, "cpu") is not None and buf.generation == 1
+    assert buf.view(2, 17, 8, "cpu") is None          # over the bound: caller falls back
+    assert buf.view(1, 16, 8, "cpu") is not None and buf.generation == 1  # fits: no realloc
+    buf.max_bytes *= 4
+    buf.view(4, 16, 8, "cpu")
+    assert buf.generation == 2                        # grown: holds nothing any more
+    buf.reserve(10 << 30, "cpu")                      # capped by max_bytes
+    assert buf.tensor.numel() * 2 <= buf.max_bytes
+
+
+def test_chunk_order_puts_the_held_chunk_first(fresh):
+    ctx = types.SimpleNamespace()
+    plan = [(0, 1, 8, 16), (1, 2, 8, 16), (2, 3, 8, 16)]
+
+    def key_of(c):
+        return yoco.gather_key("L20", 1, None, None, c)
+    assert yoco.chunk_order(ctx, plan, key_of) == plan
+    yoco.prefill_kv(ctx, key_of(plan[2]), 1, 16, 8, "cpu", lambda: None)
+    assert yoco.chunk_order(ctx, plan, key_of) == [plan[2], plan[0], plan[1]]
+
+
+# ----------------------------------------------------------------------------- indexer K
+def _indexer_call(ctx, prefix, chunks, cache_rows, calls, ws):
+    """What upstream's chunk loop does with the rows (patch 0041)."""
+    seen = []
+    for chunk, gathers in chunks:
+        kq, ks = ws[0][: chunk.rows], ws[1][: chunk.rows]
+
+        def gather(v, s):
+            calls.append(prefix)
+            v.copy_(cache_rows[0][: v.shape[0]])
+            s.copy_(cache_rows[1][: s.shape[0]])
+        v, s = yoco.indexer_k_rows(ctx, prefix, chunk, kq, ks, gather, gathers=gathers)
+        seen.append((v.clone(), s.clone(), v.data_ptr()))
+    return seen
+
+
+def test_indexer_k_gather_shared_by_index_sources_of_one_kv_source(fresh):
+    rows = 40
+    cache_rows = (torch.randint(0, 255, (rows, 128), dtype=torch.uint8),
+                  torch.randint(0, 255, (rows, 4), dtype=torch.uint8))
+    ws = (torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(64, 4, dtype=torch.uint8))
+    c0 = types.SimpleNamespace(rows=rows)
+    c1 = types.SimpleNamespace(rows=rows)     # a second query slice: skip_kv_gather
+    chunks = [(c0, True), (c1, False)]
+    ctx = types.SimpleNamespace()
+    calls: list = []
+    first = _indexer_call(ctx, "L20.k", chunks, cache_rows, calls, ws)
+    ws[0].zero_()  # another layer rewrites the workspace in between
+    second = _indexer_call(ctx, "L20.k", chunks, cache_rows, calls, ws)
+    assert calls == ["L20.k"]                  # index sources 20 and 24: one gather
+    for v, s, _ in first + second:
+        assert torch.equal(v, cache_rows[0]) and torch.equal(s, cache_rows[1])
+    other = _indexer_call(ctx, "L8.k", chunks, cache_rows, calls, ws)
+    assert calls == ["L20.k", "L8.k"]
+    assert torch.equal(other[1][0], cache_rows[0])
+    # Off: the workspace, one gather per index source, the same rows.
+    _off(fresh)
+    calls.clear()
+    ctx = types.SimpleNamespace()
+    off = _indexer_call(ctx, "L20.k", chunks, cache_rows, calls, ws)
+    off += _indexer_call(ctx, "L20.k", chunks, cache_rows, calls, ws)
+    assert calls == ["L20.k"] * 2
+    for v, s, ptr in off:
+        assert torch.equal(v, cache_rows[0]) and ptr == ws[0].data_ptr()
+
+
+def test_indexer_k_too_wide_or_not_shareable_uses_the_workspace(fresh, monkeypatch):
+    monkeypatch.setattr(yoco, "INDEXER_K_MAX_ROWS", 8)
+    ws = (torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(64, 4, dtype=torch.uint8))
+    calls: list = []
+    c = types.SimpleNamespace(rows=16)
+    ctx = types.SimpleNamespace()
+    for _ in range(2):
+        v, _ = yoco.indexer_k_rows(ctx, "L20.k", c, ws[0][:16], ws[1][:16],
+                                   lambda v, s: calls.append(1), gathers=True)
+        assert v.data_ptr() == ws[0].data_ptr()
+    v, _ = yoco.indexer_k_rows(ctx, "L20.k", c, ws[0][:4], ws[1][:4],
+                               lambda v, s: calls.append(1), gathers=True, shareable=False)
+    assert len(calls) == 3 and v.data_ptr() == ws[0].data_ptr()
