@@ -11,7 +11,8 @@ The warmup keys are the configurations a model can launch, derived from its conf
 (``ModelShapes``): the gather's request buckets with and without ``gather_lens``, the
 combiner's row widths for the model's compress ratios, window and top-k, and the decode's
 (extra cache or not, split or not, inverse RoPE or not) with the cache block sizes of this
-GPU. Each key compiles with ``JITFunction.warmup`` (Triton's compile-only launch) from the
+GPU, and the prefill's one configuration (dense combiner rows, sink, 512-wide output; its
+row, head and head-tile counts are unspecialized). Each key compiles with ``JITFunction.warmup`` (Triton's compile-only launch) from the
 kernel's signature table (the one the compile gate uses): pointers as dtypes, integers as 16
 (the "multiple of 16" specialization every stride, row count and head count here takes at
 runtime) except where the kernel sees 1 (``num_splits`` of an unsplit decode).
@@ -121,6 +122,16 @@ def _decode_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
     return keys
 
 
+def _prefill_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
+    """The Ampere classes' prefill call (attention/common.py through patch 0003): dense
+    combiner rows with lengths, the sink, a 512-wide output, an aligned workspace."""
+    from vllm.deepinfer.kernels import sparse_mla_prefill as spm
+    tile = spm.TILES[variant]
+    block_h, _ = spm.launch_plan(shapes.heads, tile)
+    c = spm.gate_constexprs(dataclasses.replace(tile, block_h=block_h))
+    return [WarmupKey("prefill", tuple(sorted(c.items())), tile.num_warps, tile.num_stages)]
+
+
 def _indexer_logits_keys(shapes: ModelShapes, variant: str) -> list[WarmupKey]:
     if not any(r > 0 for r in shapes.compress_ratios) or shapes.topk <= 0:
         return []  # no indexer in this model
@@ -135,6 +146,7 @@ _KEYS: dict[str, Callable[[ModelShapes, str], list[WarmupKey]]] = {
     "kv_gather": _gather_keys,
     "topk_swa": _combine_keys,
     "sparse_mla_decode": _decode_keys,
+    "sparse_mla_prefill": _prefill_keys,
     "indexer_logits": _indexer_logits_keys,
 }
 
@@ -163,6 +175,8 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
     "decode_reduce": ("vllm.deepinfer.kernels.sparse_mla_decode",
                       "_sparse_mla_decode_reduce_kernel", "_REDUCE_SIG"),
     "indexer_logits": ("vllm.deepinfer.kernels.indexer_logits", "_logits_kernel", "_SIGNATURE"),
+    "prefill": ("vllm.deepinfer.kernels.sparse_mla_prefill", "_sparse_mla_prefill_kernel",
+                "_SIG"),
 }
 
 
