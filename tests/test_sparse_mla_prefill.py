@@ -256,9 +256,10 @@ def test_nan_and_inf_rows_give_zeros_as_upstream(device):
                       (ref[0][1:2, ok_heads], ref[1][1:2, ok_heads])) <= 0
 
 
-@pytest.mark.parametrize("variant_form", [("sm80", 1), ("sm80", 4), ("sm90", 1)])
+@pytest.mark.parametrize("variant_form", [("sm80", 1), ("sm80", 2), ("sm80", 4), ("sm90", 1)])
 def test_forms_with_growing_maxima(device, tile_rows, variant_form):
-    # Both forms of the kernel (plain; dims split across 4 warps), on both tiles' shapes.
+    # Both forms of the kernel (plain; dims split across 2 or 4 warps), on both tiles'
+    # shapes.
     # Key magnitudes grow along the first list (x1.5 per 8 rows), so every tile raises the
     # rows' running max and rescales the accumulator; the second list runs the other way
     # (no rescale after the first tile).
@@ -532,3 +533,78 @@ def test_gpu_semantics_zero_rows_and_nope_output():
                                                                 dtype=torch.bfloat16,
                                                                 device="cuda"))
         assert torch.equal(narrow.view(torch.int16), out[..., :NOPE].view(torch.int16)), v
+
+
+# ----------------------------------------------------------------------------- benchmark suite
+class _StubHarness:
+    """What the suite uses of benchmarks/harness.Harness, on CPU: one input set, each timed
+    launch run once (and timed as 1 us)."""
+    quick = True
+
+    def __init__(self, dev):
+        self.dev = torch.device(dev)
+        self.rows = []
+
+    def copies(self, make, bytes_per_copy, max_copies=64):
+        return [make()]
+
+    def time_graph(self, launch, inputs, reps=1):
+        for x in inputs:
+            launch(x)
+        return 1.0
+
+    def add(self, kernel, variant, shape, ours_us, upstream_us, **kw):
+        self.rows.append(dict(kernel=kernel, variant=variant, shape=shape, ours_us=ours_us,
+                              upstream_us=upstream_us, **kw))
+
+
+def test_suite_code_path_cpu(device, upstream, monkeypatch):
+    """The sparse_mla_prefill suite's case on tiny sizes (interpreter, upstream's bf16 math
+    emulated): our rows, upstream's kernel and path, the reference sample, the records
+    path and the gather all run; the accuracy fields are filled and small."""
+    if device != "cpu":
+        pytest.skip("CPU smoke of the suite")
+    import sys
+    from pathlib import Path
+
+    import interp_bf16
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from suites import sparse_mla_prefill as suite
+    interp_bf16.patch(monkeypatch.setattr)
+    h = _StubHarness(device)
+    # 5 tokens after 37 cached, top-k 8 of (37 + 5) // 2 = 21 compressed rows, 16 heads.
+    suite._case(h, 5, 37, 8, 2, 16, variants=("sm80",))
+    (row,) = h.rows
+    assert row["shape"] == dict(tokens=5, ctx=37, topk=8, ratio=2, heads=16,
+                                keys=8 + suite.WINDOW)
+    assert row["max_abs_diff"] < 0.05 and row["upstream_max_abs_diff"] < 0.05, row
+    assert 0.5 < row["rms_ratio"] < ACCURACY_SLACK, row
+    for k in ("upstream_path_us", "gather_us", "records_us"):
+        assert row[k] == 1.0, k
+    assert [c[:3] for c in suite.cases(True)] == [(2048, 64 << 10, 512), (2048, 64 << 10, 8192)]
+    assert len(suite.cases(False)) == 36
+
+
+def test_sweep_loop_mix_reads_the_longest_loop():
+    """benchmarks/diag/sweep_prefill.py's SASS reader (the compile-gate instruction mix in
+    docs/sparse-mla-prefill.md): the body of the backward branch spanning the most
+    instructions, predicated opcodes counted by their base name."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "diag"))
+    import sweep_prefill
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",
+        "        /*0020*/                   BRA 0x10 ;",                      # short loop
+        "        /*0030*/                   LDSM.16.M88.4 R8, [R2] ;",
+        "        /*0040*/               @P0 HMMA.16816.F32.BF16 R4, R8, R12, R4 ;",
+        "        /*0050*/              @!P1 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64] ;",
+        "        /*0060*/                   ISETP.GE.AND P0, PT, R0, R5, PT ;",
+        "        /*0070*/               @P0 BRA 0x30 ;",                      # the long loop
+        "        /*0080*/                   EXIT ;"])
+    n, mix = sweep_prefill._loop_mix(sass)
+    assert n == 5
+    assert mix == {"HMMA": 1, "LDSM": 1, "LDGSTS": 1, "ISETP": 1}
+    kq = sweep_prefill._per_kq({"loop_instructions": 480, "loop_mix": {"HMMA": 32}}, 16, 16, 4)
+    assert kq == {"instructions": 480.0, "HMMA": 32.0}
