@@ -191,7 +191,11 @@ def records_case(x: dict) -> dict:
         q=x["q"], sink=x["sink"], comp=comp, swa=swa, main_idx=main_idx, main_ptr=main_ptr,
         extra_idx=comp_idx, extra_ptr=(torch.arange(T + 1, device=dev) * k).to(torch.int32),
         comp_bt=torch.arange(comp_pages, dtype=torch.int32, device=dev)[None, :],
-        swa_bt=swa_bt, n_comp=n_comp, seq=seq, gather_len=seq - first,
+        swa_bt=swa_bt, n_comp=n_comp,
+        # The gather's per-request lengths, on the device before any graph capture.
+        comp_lens=torch.tensor([n_comp], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([seq], dtype=torch.int32, device=dev),
+        gather_lens=torch.tensor([seq - first], dtype=torch.int32, device=dev),
         ws=torch.empty_like(kv)[None])
 
 
@@ -202,14 +206,10 @@ def records_attn(r: dict, variant: str, out) -> torch.Tensor:
 
 
 def gather(r: dict, variant: str) -> None:
-    dev = r["q"].device
-    kvg.dequantize_and_gather_k_cache(r["ws"], r["comp"],
-                                      torch.tensor([r["n_comp"]], dtype=torch.int32, device=dev),
-                                      None, r["comp_bt"], COMP_PAGE, 0, variant=variant)
-    kvg.dequantize_and_gather_k_cache(r["ws"], r["swa"],
-                                      torch.tensor([r["seq"]], dtype=torch.int32, device=dev),
-                                      torch.tensor([r["gather_len"]], dtype=torch.int32,
-                                                   device=dev),
+    """Our kv_gather rebuilding the workspace, as ``_ampere_prefill`` calls it per chunk."""
+    kvg.dequantize_and_gather_k_cache(r["ws"], r["comp"], r["comp_lens"], None, r["comp_bt"],
+                                      COMP_PAGE, 0, variant=variant)
+    kvg.dequantize_and_gather_k_cache(r["ws"], r["swa"], r["seq_lens"], r["gather_lens"],
                                       r["swa_bt"], SWA_PAGE, r["n_comp"], variant=variant)
 
 
