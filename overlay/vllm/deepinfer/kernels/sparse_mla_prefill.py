@@ -10,10 +10,14 @@ per-head attention sink in the softmax denominator.
 
 What differs from upstream:
 
-* Many heads per program: one program owns ``block_h`` heads of one token (sm90: all 64) and
-  every key tile it loads serves all of them (upstream: 16 heads per program, so a 64-head
-  token reads each key row four times). The programs of one token are adjacent in the grid,
-  so the head tiles of a 128-head token share key rows through L2.
+* sm90: one program owns all 64 heads of a token on wgmma, so every key tile it loads
+  serves all of them (upstream: 16 heads per program on mma.sync, each 64-head token reading
+  every key row four times). The programs of one token are adjacent in the grid, so the head
+  tiles of a 128-head token share key rows through L2.
+* sm80/sm86: 16 heads per program (the 48 KiB budget), with the 512 dims split across the 4
+  warps (``Tile.split_d``): each warp multiplies only its slice of Q and of the key tile, so
+  no warp repeats another's QK^T mma and Q is read from shared memory once per tile, not
+  once per warp.
 * Dense indices are read as they are: row t's keys are ``indices[t, :lens[t]]`` (entries < 0
   or >= rows skipped), the same set upstream's dense -> ragged compaction keeps, without its
   two kernels and cumsum. Ragged (indices, indptr) is accepted too.
@@ -22,8 +26,7 @@ What differs from upstream:
   software pipeliner overlaps the next key tile's gather with the current tile's math.
 * Softmax in the exp2 domain (scale * log2(e) folded into one multiply).
 
-Semantics kept from upstream, bit for bit in structure (tests/test_sparse_mla_prefill.py runs
-both): entries < 0 or >= rows are skipped; a row with no valid key gives zeros; a
+Semantics kept from upstream (tests/test_sparse_mla_prefill.py runs both): entries < 0 or >= rows are skipped; a row with no valid key gives zeros; a
 (token, head) whose softmax sum is not a positive number — a NaN or infinite key or query
 entry makes it NaN — gives zeros (upstream's ``where(l > 0, ..., 0)``, its only NaN scrub:
 the prefill does not zero NaN key entries the way the decode does); ``out`` may be 448 wide
@@ -32,8 +35,8 @@ the prefill does not zero NaN key entries the way the decode does); ``out`` may 
 Keys come from the gathered bf16 workspace, not straight from the 584-byte records: on the
 committed one-layer H200 runs the gather is 15-18 us of a 1.9 ms prefill stage (<1%), and
 reading records here would put an e4m3 decode of every key element into each program's inner
-loop (software decode on sm80: ~13 integer ops per value, benchmarks/results/
-h200-2026-11-29-tile-sweep.json), repeated by every head tile that reads the row.
+loop (software decode on sm80; kernels/kv_gather.py compares the decoders), repeated by
+every head tile that reads the row.
 docs/sparse-mla-prefill.md has the tile choices and their compile-gate figures.
 """
 from __future__ import annotations
@@ -81,6 +84,7 @@ class Tile:
     # the partial scores are summed across warps, and each warp accumulates its slice of
     # the output. Needs num_warps == split_d (mma.sync only: Triton has no batched wgmma).
     split_d: int = 1
+
 
 # Tile table keyed by variant (docs/sparse-mla-prefill.md: compile-gate figures and why).
 # Not measured on any GPU yet: the sparse_mla_prefill suite and benchmarks/diag/
@@ -182,8 +186,8 @@ def _sparse_mla_prefill_kernel(
     pid_h = pid % head_tiles
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
-    # Column c of a row as (slice, column in slice): [SPLIT_D, 1, C] offsets; with SPLIT_D 1
-    # the middle axis is dropped below.
+    # The split form's columns as (slice, column in slice): [SPLIT_D, 1, C] offsets (the
+    # plain form uses tl.arange(0, D) instead).
     cols3 = tl.arange(0, SPLIT_D)[:, None, None] * C + tl.arange(0, C)[None, None, :]
 
     q_rows = q_ptr + tok * q_stride0 + heads.to(tl.int64) * q_stride1
