@@ -58,11 +58,15 @@ prefill chunk:
                       (offset 0, N = max seq_len // ratio rows) and of the SWA cache (offset N,
                       gather_len = q_len + min(ctx, window - 1)) into the bf16 workspace.
 ``combine``           ours ``topk_swa.combine_topk_swa_indices`` (width round_up(topk+W, 128)).
-``prefill_attn``      upstream's bf16 ``_rocm_sparse_attn_prefill_triton``: dense -> ragged
+``prefill_attn``      ``prefill_impl="upstream"`` (what vLLM runs with the sparse_mla_prefill
+                      feature off, its default): upstream's bf16
+                      ``_rocm_sparse_attn_prefill_triton``: dense -> ragged
                       (``_count_valid_row_entries_kernel`` + cumsum +
                       ``_compact_dense_row_to_ragged_kernel``) then
                       ``_sparse_attn_prefill_ragged_kernel`` (grid (T, cdiv(H, 16)), BLOCK_H 16,
-                      BLOCK_D 512, BLOCK_K 16, 4 warps).
+                      BLOCK_D 512, BLOCK_K 16, 4 warps). ``prefill_impl="ours"`` (the feature
+                      on, patch 0003): ``kernels.sparse_mla_prefill.sparse_attn_prefill`` on
+                      the combiner's dense rows and lengths, the variant's tile.
 ``inv_rope``          upstream's ``_inverse_rope_gptj_kernel`` in place, grid (T, H), as
                       ``rocm_inverse_rope_rows_`` launches it (decode rows: the decode epilogue).
 ``o_proj``            bf16 einsum "tgd,grd->tgr" with wo_a dequantized once to bf16 (fp8 e4m3,
@@ -73,7 +77,7 @@ Checks: benchmarks/one_layer_check.py (torch math, references, tolerances).
 
 Interpreter (TRITON_INTERPRET=1, CPU tests): upstream's prefill kernel computes bf16 tl.dot on
 raw bit patterns there, so it is given fp32 copies of its bf16 inputs and an fp32 output; our
-decode switches to fp32 dots itself (DOT_FP32).
+decode and prefill switch to fp32 dots themselves (DOT_FP32).
 """
 from __future__ import annotations
 
@@ -101,6 +105,7 @@ from vllm.deepinfer.kernels import indexer_logits as ilog  # noqa: E402
 from vllm.deepinfer.kernels import kv_gather as kvg  # noqa: E402
 from vllm.deepinfer.kernels import shapes  # noqa: E402
 from vllm.deepinfer.kernels import sparse_mla_decode as smd  # noqa: E402
+from vllm.deepinfer.kernels import sparse_mla_prefill as spm  # noqa: E402
 from vllm.deepinfer.kernels import topk_swa  # noqa: E402
 
 
@@ -333,12 +338,19 @@ class Layer:
 
 
 # ----------------------------------------------------------------------------- the Ampere path
+PREFILL_IMPLS = ("upstream", "ours")
+
+
 class AmperePath:
     """The stages of one step on one variant, as closures over preallocated buffers (CUDA-graph
-    capturable: no host syncs). ``stages`` is the ordered list of (name, fn)."""
+    capturable: no host syncs). ``stages`` is the ordered list of (name, fn). ``prefill_impl``:
+    whose kernel the ``prefill_attn`` stage runs (``PREFILL_IMPLS``)."""
 
-    def __init__(self, L: Layer, variant: str):
-        self.L, self.v = L, variant
+    def __init__(self, L: Layer, variant: str, prefill_impl: str = "upstream"):
+        if prefill_impl not in PREFILL_IMPLS:
+            raise ValueError(f"prefill_impl: {prefill_impl!r} is not one of "
+                             f"{', '.join(PREFILL_IMPLS)}")
+        self.L, self.v, self.prefill_impl = L, variant, prefill_impl
         s, r, T = L.spec, L.step.ratio, L.T
         self.interp = arch.interpreting()
         self.attn = torch.empty(T, s.heads, D, dtype=torch.bfloat16, device=L.dev)
@@ -362,7 +374,7 @@ class AmperePath:
             self.cl = torch.empty(T, dtype=torch.int32, device=L.dev)
             st += [("kv_gather", self.kv_gather), ("combine", self.combine),
                    ("prefill_attn", self.prefill_attn), ("inv_rope", self.inv_rope)]
-            if self.interp:
+            if self.interp and prefill_impl == "upstream":
                 self.attn32 = torch.empty(T, s.heads, D, dtype=torch.float32, device=L.dev)
         st.append(("o_proj", self.o_proj))
         self.stages = st
@@ -377,7 +389,11 @@ class AmperePath:
         for name, fn in self.stages:
             fn()
             if name == "prefill_attn":
-                self.attn_pre = (self.attn32 if self.interp else self.attn).clone()
+                self.attn_pre = self._prefill_out().clone()
+
+    def _prefill_out(self) -> torch.Tensor:
+        """Where ``prefill_attn`` wrote (fp32 for upstream's kernel under the interpreter)."""
+        return self.attn32 if self.interp and self.prefill_impl == "upstream" else self.attn
 
     # ---- stages -----------------------------------------------------------------------
     def swa_insert(self):
@@ -460,9 +476,14 @@ class AmperePath:
                                           out=(self.ci, self.cl), variant=self.v)
 
     def prefill_attn(self):
-        """Upstream ``_rocm_sparse_attn_prefill_triton`` (host code mirrored)."""
-        up = _upstream_prefill()
+        """Upstream ``_rocm_sparse_attn_prefill_triton`` (host code mirrored), or ours."""
         L = self.L
+        if self.prefill_impl == "ours":
+            spm.sparse_attn_prefill(L.q, self.ws.view(-1, D), L.scale, L.sink, NOPE, ROPE,
+                                    indices=self.ci, topk_length=self.cl, out=self.attn,
+                                    variant=self.v)
+            return
+        up = _upstream_prefill()
         kv = self.ws.view(-1, D)
         ind, lens = self.ci, self.cl
         nq, width = ind.shape
@@ -495,7 +516,7 @@ class AmperePath:
         """Upstream ``rocm_inverse_rope_rows_`` -> ``_fused_inverse_rope_gptj(o, ..., out=o)``."""
         up = _upstream_prefill()
         L = self.L
-        o = self.attn32 if self.interp else self.attn
+        o = self._prefill_out()
         out = self.attn
         up._inverse_rope_gptj_kernel[(L.T, L.spec.heads)](
             o, out, L.pos_new, L.cs, o.stride(0), o.stride(1), out.stride(0), out.stride(1),
@@ -509,15 +530,17 @@ class AmperePath:
 
 
 # ----------------------------------------------------------------------------- one case
-def build(spec: Spec, step: Step, dev, variant: str, seed: int = 0) -> tuple[Layer, AmperePath]:
+def build(spec: Spec, step: Step, dev, variant: str, seed: int = 0,
+          prefill_impl: str = "upstream") -> tuple[Layer, AmperePath]:
     L = Layer(spec, step, dev, seed)
     L.fill_context(variant)
-    return L, AmperePath(L, variant)
+    return L, AmperePath(L, variant, prefill_impl)
 
 
-def run_case(spec: Spec, step: Step, dev, variant: str, seed: int = 0):
+def run_case(spec: Spec, step: Step, dev, variant: str, seed: int = 0,
+             prefill_impl: str = "upstream"):
     """Build, run once, check: (layer, path, results)."""
-    L, path = build(spec, step, dev, variant, seed)
+    L, path = build(spec, step, dev, variant, seed, prefill_impl)
     path.run_for_check()
     if L.dev.type == "cuda":
         torch.cuda.synchronize()
@@ -533,5 +556,5 @@ def step_flops(L: Layer) -> dict:
     return {"decode_attn": attn, "prefill_attn": attn, "o_proj": oproj}
 
 
-__all__ = ["Spec", "REAL", "Step", "Layer", "AmperePath", "build", "run_case", "check", "TOL",
-           "step_flops"]
+__all__ = ["Spec", "REAL", "Step", "Layer", "AmperePath", "PREFILL_IMPLS", "build", "run_case",
+           "check", "TOL", "step_flops"]

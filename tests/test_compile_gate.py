@@ -20,7 +20,8 @@ from vllm.deepinfer import compile_gate
 REPO = Path(__file__).resolve().parent.parent
 SPECS = compile_gate.specs()
 CASES = [(s.name, cc) for s in SPECS for cc in s.targets]
-REQUIRED_FEATURES = {"fp8_sw", "kv_gather", "topk_swa", "sparse_mla_decode"}
+REQUIRED_FEATURES = {"fp8_sw", "kv_gather", "topk_swa", "sparse_mla_decode",
+                     "sparse_mla_prefill"}
 
 
 def _env():

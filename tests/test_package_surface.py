@@ -29,7 +29,7 @@ SURFACE = [f"vllm.deepinfer.kernels.{m}" for m in KERNEL_MODULES] + [
     "vllm.deepinfer.fp8", "vllm.deepinfer.yoco"]
 # Modules that launch kernels, each with a ``variant=`` argument resolved by arch.resolve.
 LAUNCHERS = ("fp8_writers_v4", "fp8_writers_v41", "fp8_writers_v4_compress", "indexer_logits",
-             "kv_gather", "sparse_mla_decode", "topk_swa")
+             "kv_gather", "sparse_mla_decode", "sparse_mla_prefill", "topk_swa")
 
 
 @pytest.mark.parametrize("name", SURFACE)

@@ -498,6 +498,16 @@ def test_yoco_patched_indexer_k_gather(yoco_probe):
     assert v == {"gathers_on": 1, "gathers_off": 3, "logits_calls": [6, 6], "rows_equal": True}
 
 
+@pytest.mark.parametrize("model,layer,ratio", FORWARD_LAYERS)
+def test_ampere_forward_prefill_routed_to_ours(forward, model, layer, ratio):
+    """The same prefill with DEEPINFER_SPARSE_MLA_PREFILL=1: patch 0003 sent every chunk to
+    our kernel (upstream's ragged launcher never ran), plain torch within tolerance."""
+    v = _value(forward, f"forward/{model}/prefill_ours_layer{layer}")
+    assert v["calls"]["ours"] >= 1 and v["calls"]["upstream"] == 0, v["calls"]
+    assert v["ratio"] == ratio and v["finite"] is True and v["ref_max"] > 0.1
+    assert v["max_abs_err"] <= FORWARD_TOL * max(1.0, v["ref_max"]), v
+
+
 # --------------------------------------------------------------------------- fp8 writers
 @pytest.fixture(scope="module")
 def writers():

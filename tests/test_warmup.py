@@ -13,6 +13,7 @@ from vllm.deepinfer import warmup as wu
 from vllm.deepinfer.kernels import indexer_logits as il
 from vllm.deepinfer.kernels import kv_gather as kg
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
+from vllm.deepinfer.kernels import sparse_mla_prefill as spm
 from vllm.deepinfer.kernels import topk_swa as ts
 
 
@@ -91,6 +92,21 @@ def test_indexer_logits_keys(variant):
     assert wu.keys(swa_only, variant, features=["indexer_logits"]) == []
 
 
+@pytest.mark.parametrize("variant,heads", [("sm80", 64), ("sm90", 64), ("sm90", 128),
+                                           ("sm90", 16)])
+def test_prefill_key_is_the_launchers_configuration(variant, heads):
+    shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=heads)
+    (key,) = wu.keys(shapes, variant, features=["sparse_mla_prefill"])
+    tile = spm.TILES[variant]
+    c = dict(key.constexprs)
+    assert c["BLOCK_H"] == spm.launch_plan(heads, tile)[0]
+    assert c["DENSE"] and c["HAS_SINK"] and c["ALIGNED"] and not c["DOT_FP32"]
+    assert (c["BLOCK_N"], c["SPLIT_D"], c["OUT_D"]) == (tile.block_n, tile.split_d, 512)
+    assert (key.num_warps, key.num_stages) == (tile.num_warps, tile.num_stages)
+    # Off by default until measured: the default key list leaves it out.
+    assert all(k.kernel != "prefill" for k in wu.keys(shapes, variant))
+
+
 def test_env_switch_drops_a_feature(monkeypatch):
     shapes = wu.ModelShapes(window=128, compress_ratios=(1,), topk=512, heads=64)
     monkeypatch.setenv("DEEPINFER_DISABLE", "kv_gather")
@@ -100,7 +116,8 @@ def test_env_switch_drops_a_feature(monkeypatch):
 
 def test_warmup_args_follow_the_signature():
     shapes = wu.ModelShapes(window=128, compress_ratios=(1,), topk=512, heads=64)
-    for key in wu.keys(shapes, "sm80", features=["kv_gather", "topk_swa", "sparse_mla_decode"]):
+    for key in wu.keys(shapes, "sm80", features=["kv_gather", "topk_swa", "sparse_mla_decode",
+                                                 "sparse_mla_prefill"]):
         args, constexprs = wu.warmup_args(key)
         kernel, sig = wu._kernel_and_signature(key.kernel)
         runtime = [n for n, t in sig.items() if t != "constexpr"]
@@ -147,3 +164,25 @@ def test_warmed_kernels_are_not_compiled_again_on_launch():
     torch.cuda.synchronize()
     assert (cache_size(kg._gather_kernel), cache_size(ts._combine_kernel),
             cache_size(il._logits_kernel)) == before
+
+
+@pytest.mark.gpu
+def test_warmed_prefill_is_not_compiled_again_on_launch():
+    """The prefill key of a V4.1 model, compiled, then launched as the Ampere classes call it
+    (combiner rows, lengths, sink, [rows, 1, 512] workspace) with 64 heads and an odd row
+    count: the kernel's cache must not grow."""
+    dev = torch.device("cuda")
+    variant = "sm90" if torch.cuda.get_device_capability() >= (9, 0) else "sm80"
+    shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
+    for key in wu.keys(shapes, variant, features=["sparse_mla_prefill"]):
+        wu.compile_key(key)
+    kernel = spm._sparse_mla_prefill_kernel
+    before = sum(len(c[0]) for c in kernel.device_caches.values())
+    q = torch.zeros(37, 64, 512, dtype=torch.bfloat16, device=dev)
+    kv = torch.zeros(1001, 1, 512, dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros(37, 768, dtype=torch.int32, device=dev)
+    lens = torch.full((37,), 640, dtype=torch.int32, device=dev)
+    spm.sparse_attn_prefill(q, kv, 0.04, torch.zeros(64, device=dev), 448, 64, indices=idx,
+                            topk_length=lens, out=torch.empty_like(q), variant=variant)
+    torch.cuda.synchronize()
+    assert sum(len(c[0]) for c in kernel.device_caches.values()) == before

@@ -8,7 +8,8 @@ output must equal, byte for byte, our decode kernel called directly on ragged in
 built here: the class's glue (upstream's top-k translation and dense -> ragged helpers,
 patch 0003, scale, sink, the inverse RoPE applied once) hands the kernel what it should.
 Prefill: upstream's real ``DeepseekSparseSWAMetadata`` (its chunk plan), our gather and
-combiner, upstream's bf16 prefill kernel, the standalone inverse RoPE.
+combiner, upstream's bf16 prefill kernel, the standalone inverse RoPE; then the same with
+DEEPINFER_SPARSE_MLA_PREFILL=1, where patch 0003 routes the prefill to our kernel.
 
 Imported only inside the probe process (it imports vLLM); ``run`` sets the interpreter up.
 """
@@ -275,8 +276,37 @@ def prefill(probe: Probe, model: str, i: int) -> dict:
     return st.errors(q, out)
 
 
+def prefill_ours(probe: Probe, model: str, i: int) -> dict:
+    """``prefill`` with DEEPINFER_SPARSE_MLA_PREFILL=1: patch 0003 hands upstream's
+    rocm_sparse_attn_prefill call to our kernel (counted), upstream's ragged launcher never
+    runs."""
+    from vllm.deepinfer import routing
+    from vllm.deepinfer.kernels import sparse_mla_prefill as spm
+    from vllm.v1.attention.ops import rocm_aiter_mla_sparse as ras
+    calls = {"ours": 0, "upstream": 0}
+    ours, theirs = spm.sparse_attn_prefill, ras._rocm_sparse_attn_prefill_ragged_triton
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+    os.environ["DEEPINFER_SPARSE_MLA_PREFILL"] = "1"
+    routing.reset()
+    spm.sparse_attn_prefill = count("ours", ours)
+    ras._rocm_sparse_attn_prefill_ragged_triton = count("upstream", theirs)
+    try:
+        res = prefill(probe, model, i)
+    finally:
+        spm.sparse_attn_prefill, ras._rocm_sparse_attn_prefill_ragged_triton = ours, theirs
+        del os.environ["DEEPINFER_SPARSE_MLA_PREFILL"]
+        routing.reset()
+    return {**res, "calls": calls}
+
+
 def run(record) -> None:
-    """The scenario: every layer of both models, decode then prefill."""
+    """The scenario: every layer of both models, decode then prefill (upstream's prefill
+    kernel, then ours through patch 0003)."""
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["DEEPINFER_ARCH"] = "sm80"
     probe = Probe()
@@ -284,3 +314,4 @@ def run(record) -> None:
         for i in ids:
             record(f"forward/{model}/decode_layer{i}", decode, probe, model, i)
             record(f"forward/{model}/prefill_layer{i}", prefill, probe, model, i)
+            record(f"forward/{model}/prefill_ours_layer{i}", prefill_ours, probe, model, i)

@@ -9,13 +9,17 @@ Cases: ratios 0, 1, 2; a decode step (64 requests, 8192 cached tokens each, one 
 a prefill chunk (1 request, 2048 new tokens after 6144 cached). ``--quick``: decode 16 x 4096
 and prefill 1024 after 3072. Variants: ``sm80`` (software e4m3: what an A100 runs; here on
 Hopper) and ``sm90``, passed to every kernel that takes ``variant=``; upstream kernels and the
-torch stand-ins are the same code in both.
+torch stand-ins are the same code in both. Prefill chunks run twice per variant: with
+upstream's bf16 prefill kernel in the ``prefill_attn`` stage (``prefill_impl`` "upstream", the
+sparse_mla_prefill feature off: its default) and with ours (``prefill_impl`` "ours"); decode
+steps once.
 
 Rows: kernel ``one_layer``, one per stage plus ``stage="total"``. ``ours_us``: GPU time of the
 stage (``Harness.time_graph`` with one input set: the stage captured in a CUDA graph, replays
 timed by do_bench, which flushes L2 before each replay; the graph replay overhead, a few us, is
 included). ``upstream_us`` is null: this is the path, not a comparison. Extra fields:
-``stage``; ``impl`` (ours / upstream / stand-in / reference); ``ok`` (the stage's tolerance
+``stage``; ``impl`` (ours / upstream / stand-in / reference); ``prefill_impl`` (whose prefill
+kernel the path ran); ``ok`` (the stage's tolerance
 held); ``tol``; ``exact`` where bytes are compared; ``max_abs_diff``; stage-specific errors
 (``mismatch_bytes``, ``rel_frob``, ``sym_diff``, ``max_excess``). The total row:
 ``ours_us`` = sum of the stage times, ``step_graph_us`` = the whole step captured in one graph,
@@ -55,14 +59,16 @@ def _time(h, fn) -> float:
     return h.time_graph(lambda _: fn(), [None])
 
 
-def run_case(h, spec: ol.Spec, step: ol.Step, variants=VARIANTS, seed: int = 0) -> None:
+def run_case(h, spec: ol.Spec, step: ol.Step, variants=VARIANTS, seed: int = 0,
+             prefill_impls=ol.PREFILL_IMPLS) -> None:
     L = ol.Layer(spec, step, h.dev, seed)
     ref = ol.reference_caches(L)
     flops = ol.step_flops(L)
     shape = step.shape()
-    for v in variants:
+    impls = ("upstream",) if step.decode else prefill_impls
+    for v, impl in [(v, i) for v in variants for i in impls]:
         L.fill_context(v)
-        path = ol.AmperePath(L, v)
+        path = ol.AmperePath(L, v, impl)
         path.run_for_check()
         if L.dev.type == "cuda":
             torch.cuda.synchronize()
@@ -78,12 +84,13 @@ def run_case(h, spec: ol.Spec, step: ol.Step, variants=VARIANTS, seed: int = 0) 
             exact = c.pop("exact", None)
             mad = c.pop("max_abs_diff", None)
             h.add("one_layer", v, shape, us, None, exact=exact, max_abs_diff=mad,
-                  flops=flops.get(name), stage=name, impl=IMPL[name],
+                  flops=flops.get(name), stage=name,
+                  impl=impl if name == "prefill_attn" else IMPL[name], prefill_impl=impl,
                   ok=ok, **c)
         step_us = _time(h, path.run)
         fin = res["final"]
         h.add("one_layer", v, shape, total, None, max_abs_diff=fin["max_abs_diff"], stage="total",
-              impl="path", ok=all_ok and fin["ok"], step_graph_us=step_us,
+              impl="path", prefill_impl=impl, ok=all_ok and fin["ok"], step_graph_us=step_us,
               final_rel_frob=fin["rel_frob"], final_ok=fin["ok"], final_tol=fin["tol"])
         del path
         gc.collect()
@@ -93,6 +100,7 @@ def run_case(h, spec: ol.Spec, step: ol.Step, variants=VARIANTS, seed: int = 0) 
         torch.cuda.empty_cache()
 
 
-def run(h: Harness, spec: ol.Spec = ol.REAL, steps=None, variants=VARIANTS) -> None:
+def run(h: Harness, spec: ol.Spec = ol.REAL, steps=None, variants=VARIANTS,
+        prefill_impls=ol.PREFILL_IMPLS) -> None:
     for step in (steps if steps is not None else cases(h.quick)):
-        run_case(h, spec, step, variants)
+        run_case(h, spec, step, variants, prefill_impls=prefill_impls)

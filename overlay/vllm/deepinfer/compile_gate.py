@@ -75,6 +75,7 @@ def add_provider(module: str) -> None:
 # Kernel modules of this package; each registers its specs at import.
 for _m in ("vllm.deepinfer.fp8", "vllm.deepinfer.kernels.topk_swa",
            "vllm.deepinfer.kernels.kv_gather", "vllm.deepinfer.kernels.sparse_mla_decode",
+           "vllm.deepinfer.kernels.sparse_mla_prefill",
            "vllm.deepinfer.kernels.fp8_writers", "vllm.deepinfer.kernels.fp8_writers_v41",
            "vllm.deepinfer.kernels.fp8_writers_v4", "vllm.deepinfer.kernels.fp8_writers_v4_compress",
            "vllm.deepinfer.kernels.indexer_logits", "vllm.deepinfer.kernels.engram_lookup"):

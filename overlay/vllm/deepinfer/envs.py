@@ -45,6 +45,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # sm86, cpu) decode in two phases (kernels/sparse_mla_decode.py, Tile.predequant).
     Feature("decode_predequant", frozenset(),
             "sparse MLA decode on Ampere: dequantize each key once per token, then attend"),
+    # Off on every variant until the sparse_mla_prefill benchmark suite has timed it beside
+    # upstream's kernel on a GPU (docs/sparse-mla-prefill.md); then on below capability 9.0
+    # (and on sm90 if its tile meets its goal). DEEPINFER_SPARSE_MLA_PREFILL=1 turns it on.
+    Feature("sparse_mla_prefill", frozenset(),
+            "sparse MLA prefill over the gathered bf16 keys (rocm_sparse_attn_prefill)"),
     # Below capability 9.0 no upstream DeepSeek-V4.1/V4 attention class can run (FlashMLA
     # sparse needs 9.x/10.x, FlashInfer sparse 10.x/12.x), hence on for sm89 too.
     # vllm.deepinfer.attention.selector routes _select_dsv4_attn_cls on it.

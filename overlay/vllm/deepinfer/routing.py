@@ -16,7 +16,7 @@ from vllm.deepinfer.kv_record import RECORD_BYTES
 logger = logging.getLogger("vllm.deepinfer")
 
 __all__ = ["use", "cutedsl_allowed", "reset", "kv_gather", "combine_topk_swa_indices",
-           "sparse_attn_decode", "mqa_logits", "paged_mqa_logits", "pack_fp8_as_bytes",
+           "sparse_attn_decode", "sparse_attn_prefill", "mqa_logits", "paged_mqa_logits", "pack_fp8_as_bytes",
            "fp8_writers", "rope_quant_insert", "indexer_k_norm_rope_store",
            "compress_norm_rope_store", "fused_inv_rope_fp8_quant", "fused_indexer_q_rope_quant",
            "CUTEDSL_MIN_CAPABILITY"]
@@ -128,6 +128,32 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
                 rope_head_dim, extra_cache=extra_cache, extra_indices=extra_indices,
                 extra_indptr=extra_indptr, out=out, inv_rope_positions=inv_rope_positions,
                 inv_rope_cos_sin_cache=inv_rope_cos_sin_cache)
+
+
+def sparse_attn_prefill(q, kv, indices, topk_length, scale, head_dim: int, nope_head_dim: int,
+                        rope_head_dim: int, attn_sink, output, ragged_indices=None,
+                        ragged_indptr=None) -> bool:
+    """Patch 0003: upstream's ``rocm_sparse_attn_prefill`` asks here first. True: our
+    prefill (``kernels.sparse_mla_prefill``) wrote ``output``; False: upstream's runs (ROCm,
+    the feature off, or a call outside what ours covers: non-bf16, not 448 + 64 dims)."""
+    if torch.version.hip is not None or not use("sparse_mla_prefill"):
+        return False
+    if kv.dim() != 3 or kv.shape[1] != 1 or head_dim != kv.shape[-1]:
+        return False  # upstream's own assertions name these
+    from vllm.deepinfer.kernels import sparse_mla_prefill as spm
+    if not spm.covers(q, kv, output, nope_head_dim, rope_head_dim):
+        return False
+    if ragged_indices is not None and ragged_indptr is not None:
+        spm.sparse_attn_prefill(q, kv, scale, attn_sink, nope_head_dim, rope_head_dim,
+                                ragged_indices=ragged_indices, ragged_indptr=ragged_indptr,
+                                out=output)
+    elif indices is not None:
+        spm.sparse_attn_prefill(q, kv, scale, attn_sink, nope_head_dim, rope_head_dim,
+                                indices=indices.reshape(indices.shape[0], -1),
+                                topk_length=topk_length, out=output)
+    else:
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- indexer logits

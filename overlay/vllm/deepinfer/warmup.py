@@ -21,7 +21,8 @@ integers and metadata pointers whose alignment moves with the chunk are
 ``do_not_specialize``[``_on_alignment``] in the kernels, and the launch options are passed
 exactly as the launchers pass them. tests/test_warmup_coverage.py computes Triton's cache key
 of every launch over a grid of realistic calls and of every warmup key, on a CPU, and checks
-that the first are among the second.
+that the first are among the second. The prefill has one configuration (dense combiner rows, sink,
+512-wide output; its row, head and head-tile counts are unspecialized).
 
 Nothing here imports vLLM except ``register_with_vllm``; ``keys``/``compile_key`` need only
 torch and Triton (and a GPU to compile for).
@@ -198,6 +199,16 @@ def _decode_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[Warmu
     return keys
 
 
+def _prefill_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
+    """The Ampere classes' prefill call (attention/common.py through patch 0003): dense
+    combiner rows with lengths, the sink, a 512-wide output, an aligned workspace."""
+    from vllm.deepinfer.kernels import sparse_mla_prefill as spm
+    tile = spm.TILES[variant]
+    block_h, _ = spm.launch_plan(shapes.heads, tile)
+    c = spm.gate_constexprs(dataclasses.replace(tile, block_h=block_h))
+    return [WarmupKey("prefill", tuple(sorted(c.items())), tile.num_warps, tile.num_stages)]
+
+
 def _indexer_logits_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     if not any(r > 0 for r in shapes.compress_ratios) or shapes.topk <= 0:
         return []  # no indexer in this model
@@ -214,6 +225,7 @@ _KEYS: dict[str, Callable[[ModelShapes, str, int], list[WarmupKey]]] = {
     "kv_gather": _gather_keys,
     "topk_swa": _combine_keys,
     "sparse_mla_decode": _decode_keys,
+    "sparse_mla_prefill": _prefill_keys,
     "indexer_logits": _indexer_logits_keys,
 }
 
@@ -243,6 +255,8 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
     "decode_reduce": ("vllm.deepinfer.kernels.sparse_mla_decode",
                       "_sparse_mla_decode_reduce_kernel", "_REDUCE_SIG"),
     "indexer_logits": ("vllm.deepinfer.kernels.indexer_logits", "_logits_kernel", "_SIGNATURE"),
+    "prefill": ("vllm.deepinfer.kernels.sparse_mla_prefill", "_sparse_mla_prefill_kernel",
+                "_SIG"),
 }
 
 
