@@ -140,3 +140,23 @@ def run_main(main) -> None:
     except OSError as e:  # last resort for permissions, read-only or full file systems:
         print(f"error: {e}", file=sys.stderr)  # one line naming the file, no traceback
         sys.exit(2)
+
+
+def check_writable(dirs, hint: str) -> None:
+    """Refuse, naming the first directory (or its nearest existing parent) where a file cannot
+    be created; ``hint`` says what to do instead. Nothing is left behind."""
+    import tempfile
+    seen = set()
+    for d in sorted(Path(x) for x in dirs):
+        while not d.exists() and d != d.parent:
+            d = d.parent
+        if d in seen:
+            continue
+        seen.add(d)
+        try:
+            fd, name = tempfile.mkstemp(prefix=".deepinfer-probe-", dir=d)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as e:
+            raise ToolError(f"{d} is not writable ({e.strerror}): nothing was changed; "
+                            f"{hint}") from None

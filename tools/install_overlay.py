@@ -41,7 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    OVERLAY_OUT, OVERLAY_PKG, VLLM_VERSION, ToolError, check_environment, run_main, sha256_file,
+    OVERLAY_OUT, OVERLAY_PKG, VLLM_VERSION, ToolError, check_environment, check_writable, run_main,
+    sha256_file,
     tree_vllm_version, warn,
 )
 
@@ -250,22 +251,9 @@ def probe_writable(vllm_dir: Path, steps: list[dict]) -> None:
     """Create and remove a file in every directory an install or restore writes (the nearest
     existing one for a directory still to be made): a read-only target fails here, before
     anything is changed, with or without --dry-run."""
-    dirs = {vllm_dir} | {(vllm_dir / s["rel"]).parent for s in steps}
-    seen = set()
-    for d in sorted(dirs):
-        while not d.exists() and d != d.parent:
-            d = d.parent
-        if d in seen:
-            continue
-        seen.add(d)
-        try:
-            fd, name = tempfile.mkstemp(prefix=".deepinfer-probe-", dir=d)
-            os.close(fd)
-            os.unlink(name)
-        except OSError as e:
-            raise ToolError(f"{d} is not writable ({e.strerror}): nothing was changed; install "
-                            "as a user who may write there, into a writable copy of vLLM, or "
-                            "bind-mount the overlay read-only instead (docs/docker.md)") from None
+    check_writable({vllm_dir} | {(vllm_dir / s["rel"]).parent for s in steps},
+                   "install as a user who may write there, into a writable copy of vLLM, or "
+                   "bind-mount the overlay read-only instead (docs/docker.md)")
 
 
 # --------------------------------------------------------------------------- copying

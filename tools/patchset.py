@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     COMBINED_PATCH, OVERLAY_OUT, OVERLAY_PKG, PATCH_DIR, SDIST_SHA256, UPSTREAM_TREE, VLLM_VERSION,
-    ToolError, check_environment, identify_tree, run_main, sha256_bytes, sha256_file,
+    ToolError, check_environment, check_writable, identify_tree, run_main, sha256_bytes, sha256_file,
 )
 
 OUR_PKG_REL = "vllm/deepinfer"
@@ -194,21 +194,7 @@ def enclosing_repo(tree: Path) -> Path | None:
 def probe_writable(dirs) -> None:
     """Create and remove a file in each directory (the nearest existing one for a directory
     still to be made): a read-only tree fails here, before anything is changed."""
-    seen = set()
-    for d in dirs:
-        d = Path(d)
-        while not d.exists() and d != d.parent:
-            d = d.parent
-        if d in seen:
-            continue
-        seen.add(d)
-        try:
-            fd, name = tempfile.mkstemp(prefix=".deepinfer-probe-", dir=d)
-            os.close(fd)
-            os.unlink(name)
-        except OSError as e:
-            raise ToolError(f"{d} is not writable ({e.strerror}): nothing was changed; run as a "
-                            "user who may write there, or use a writable copy") from None
+    check_writable(dirs, "run as a user who may write there, or use a writable copy")
 
 
 class Transaction:

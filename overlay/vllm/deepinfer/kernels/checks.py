@@ -8,9 +8,13 @@ caller passed. ``benchmarks/diag/launch_overhead.py`` measures the launchers' ho
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["check", "check_tensor", "fail", "INDEX_DTYPES", "FLOAT_DTYPES"]
+from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, ROPE_DIM
+
+__all__ = ["check", "check_tensor", "check_mla_query", "fail", "INDEX_DTYPES", "FLOAT_DTYPES"]
 
 # Slot lists, positions, lengths: upstream passes int32 or int64.
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -48,3 +52,19 @@ def check_tensor(t, name: str, dtypes: tuple | None = None, ndim: int | None = N
     if device is not None and t.device != device:
         fail(name, f"on {t.device}, expected {device}")
     fail(name, f"must be contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def check_mla_query(q, nope_head_dim: int, rope_head_dim: int, scale) -> None:
+    """The sparse MLA attention kernels' query and head geometry (decode and prefill):
+    bf16 [tokens, heads, 512] with a contiguous last dim, 448 NoPE + 64 RoPE dims, a finite
+    softmax scale."""
+    check_tensor(q, "q", dtypes=(torch.bfloat16,), ndim=3)
+    check(q.shape[2] == HEAD_DIM and q.stride(2) == 1, "q",
+          lambda: f"expected [tokens, heads, {HEAD_DIM}] with a contiguous last dim, got "
+          f"shape {tuple(q.shape)} strides {q.stride()}")
+    check(nope_head_dim == NOPE_DIM, "nope_head_dim",
+          lambda: f"must be {NOPE_DIM}, got {nope_head_dim}")
+    check(rope_head_dim == ROPE_DIM, "rope_head_dim",
+          lambda: f"must be {ROPE_DIM}, got {rope_head_dim}")
+    check(isinstance(scale, (int, float)) and math.isfinite(scale), "scale",
+          lambda: f"expected a finite float, got {scale!r}")

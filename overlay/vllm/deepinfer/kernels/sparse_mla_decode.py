@@ -47,7 +47,8 @@ from vllm.deepinfer.compile_gate import GateSpec, register
 from vllm.deepinfer.fp8 import (cvt_e4m3_to_f32, e4m3_to_f32_e4b15, e4m3_to_f32_f16bits,
                                 ue8m0_to_f32)
 from vllm.deepinfer.kernels import shapes
-from vllm.deepinfer.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check, check_tensor
+from vllm.deepinfer.kernels.checks import (FLOAT_DTYPES, INDEX_DTYPES, check, check_mla_query,
+                                           check_tensor)
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM
 # Record geometry as kernel constants. A key row is built as [BLOCK_N, 8, 64]: the 7 NoPE
 # chunks of one UE8M0 scale each, then the RoPE tail, which is exactly one chunk wide.
@@ -541,17 +542,8 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     v = arch.VARIANTS[name.split("-")[0]]  # "sm80-2p": the sm80 variant's fp8 and tiles
     tile = TILES[name]
     predequant = tile.predequant or (not v.hw_fp8 and _predequant_switched_on(v.name))
-    check_tensor(q, "q", dtypes=_BF16, ndim=3)
+    check_mla_query(q, nope_head_dim, rope_head_dim, scale)
     dev = q.device
-    check(q.shape[2] == HEAD_DIM and q.stride(2) == 1, "q",
-          lambda: f"expected [tokens, heads, {HEAD_DIM}] with a contiguous last dim, got "
-          f"shape {tuple(q.shape)} strides {q.stride()}")
-    check(nope_head_dim == NOPE_DIM, "nope_head_dim",
-          lambda: f"must be {NOPE_DIM}, got {nope_head_dim}")
-    check(rope_head_dim == ROPE_DIM, "rope_head_dim",
-          lambda: f"must be {ROPE_DIM}, got {rope_head_dim}")
-    check(isinstance(scale, (int, float)) and math.isfinite(scale), "scale",
-          lambda: f"expected a finite float, got {scale!r}")
     tokens, heads, _ = q.shape
     _check_cache(main_cache, "main_cache", dev)
     main_indices, main_indptr = _ragged(main_indices, main_indptr, tokens, "main_indices",

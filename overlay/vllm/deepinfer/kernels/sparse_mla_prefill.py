@@ -50,7 +50,8 @@ import triton.language as tl
 
 from vllm.deepinfer import arch
 from vllm.deepinfer.compile_gate import GateSpec, register
-from vllm.deepinfer.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check, check_tensor
+from vllm.deepinfer.kernels.checks import (FLOAT_DTYPES, INDEX_DTYPES, check, check_mla_query,
+                                           check_tensor)
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, ROPE_DIM
 from vllm.deepinfer.kv_record import TL_HEAD_DIM as _D  # 512 columns per key row and query
 
@@ -306,17 +307,8 @@ def sparse_attn_prefill(q, kv, scale, attn_sink, nope_head_dim, rope_head_dim, *
     in the interpreter).
     """
     tile = TILES[arch.table_key(variant, TILES)]
-    check_tensor(q, "q", dtypes=_BF16, ndim=3)
+    check_mla_query(q, nope_head_dim, rope_head_dim, scale)
     dev = q.device
-    check(q.shape[2] == HEAD_DIM and q.stride(2) == 1, "q",
-          lambda: f"expected [tokens, heads, {HEAD_DIM}] with a contiguous last dim, got "
-          f"shape {tuple(q.shape)} strides {q.stride()}")
-    check(nope_head_dim == NOPE_DIM, "nope_head_dim",
-          lambda: f"must be {NOPE_DIM}, got {nope_head_dim}")
-    check(rope_head_dim == ROPE_DIM, "rope_head_dim",
-          lambda: f"must be {ROPE_DIM}, got {rope_head_dim}")
-    check(isinstance(scale, (int, float)) and math.isfinite(scale), "scale",
-          lambda: f"expected a finite float, got {scale!r}")
     tokens, heads, _ = q.shape
     check_tensor(kv, "kv", dtypes=_BF16, device=dev)
     if kv.dim() == 3 and kv.shape[1] == 1:
