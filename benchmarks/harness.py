@@ -75,6 +75,7 @@ class Harness:
             "deepinfer_arch": os.environ.get("DEEPINFER_ARCH", ""),
         }
         self.rows: list[dict] = []
+        self.out: Path | None = None   # set by benchmarks/run.py: rewritten after each row
         self.copy_gbps = self.measure_copy()
         self.matmul_tflops = self.measure_matmul()
         self.meta["copy_bandwidth_GBps"] = round(self.copy_gbps, 1)
@@ -183,11 +184,15 @@ class Harness:
         row.update(extra)
         self.rows.append(row)
         print(_fmt_row(row), flush=True)
+        if self.out is not None:   # every row on disk at once: a run stopped midway keeps it
+            self.write(self.out)
         return row
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"meta": self.meta, "rows": self.rows}, indent=1) + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"meta": self.meta, "rows": self.rows}, indent=1) + "\n")
+        tmp.replace(path)
         return path
 
 

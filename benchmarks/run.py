@@ -36,15 +36,16 @@ def main(argv=None) -> int:
           f"commit {h.meta['commit']}\n# copy {h.copy_gbps:.0f} GB/s   bf16 matmul "
           f"{h.matmul_tflops:.0f} TFLOP/s", flush=True)
     failed = []
+    gpu = h.meta["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
+    out = a.out or REPO / "benchmarks" / "results" / f"{gpu}-{dt.date.today().isoformat()}.json"
+    h.meta["suites"] = names
+    h.out = out
     for name in names:
         try:
             importlib.import_module(f"suites.{name}").run(h)
         except Exception:
             traceback.print_exc()
             failed.append(name)
-    gpu = h.meta["gpu"].lower().replace("nvidia ", "").replace(" ", "-")
-    out = a.out or REPO / "benchmarks" / "results" / f"{gpu}-{dt.date.today().isoformat()}.json"
-    h.meta["suites"] = names
     h.meta["failed_suites"] = failed
     print(f"wrote {h.write(out)}")
     return 1 if failed else 0

@@ -52,9 +52,25 @@ MODES = ("a100", "sm90", "upstream")
 TOL = {"min_top1_agree": 0.98, "max_abs_dlogprob": 0.25}
 STAGGER_S = 25
 RUN_TIMEOUT_S = int(os.environ.get("E2E_RUN_TIMEOUT", "420"))
+# KV cache of an agreement engine (vLLM's kv_cache_memory_bytes). The mini models' caches
+# for one 16K prompt plus the short ones take well under 1 GiB; with a fixed size vLLM skips
+# the free-memory comparison of its profile run, so engines start side by side without the
+# start-up lock (run.py) and without staggering.
+AGREE_KV_GIB = 4.0
+_DEADLINE = [float("inf")]   # time.time() after which no run starts and running ones stop
+
+
+def _left() -> float:
+    return _DEADLINE[0] - time.time()
 
 
 def sh(cmd: list[str], log: Path, env=None, timeout=None) -> int:
+    if _left() < 30:
+        with open(log, "w") as f:
+            f.write("not started: the --deadline left under 30 s\n")
+        print(f"  [skip] deadline {log.stem}", flush=True)
+        return 125
+    timeout = min(timeout or float("inf"), _left())
     t0 = time.time()
     with open(log, "w") as f:
         try:
@@ -92,6 +108,25 @@ def make_checkpoints(work: Path, names, dense: bool) -> None:
            work / f"ckpt-{name}.log")
 
 
+def _out(work: Path, name: str, mode: str, form: str) -> Path:
+    if form == "nocompile":
+        return work / f"{name}-{mode}-nocompile.json"
+    return work / f"{name}-{mode}-agree-{form}.json"
+
+
+def run_job(work: Path, name: str, mode: str, form: str, extra=()) -> Path | None:
+    """One agreement engine: form "eager", "graphs" (vLLM's defaults) or "nocompile" (eager
+    with vLLM's JIT warmup on, and the audit of what compiles while serving)."""
+    if form != "nocompile":
+        return run_mode(work, name, mode, "agree", form == "eager", extra)
+    cfg, fmt = MODELS[name]
+    out = _out(work, name, mode, form)
+    rc = sh([sys.executable, str(HERE / "run.py"), "--model", str(work / f"{name}-{fmt}"),
+             "--mode", mode, "--task", "agree", "--jit-warmup", "--audit", "--out", str(out),
+             *extra], work / f"{name}-{mode}-nocompile.log", timeout=RUN_TIMEOUT_S)
+    return out if rc == 0 and out.exists() else None
+
+
 def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=()) -> Path | None:
     cfg, fmt = MODELS[name]
     tag = f"{name}-{mode}-{task}-{'eager' if eager else 'graphs'}"
@@ -115,51 +150,67 @@ def main() -> int:
     ap.add_argument("--sparse-routing", action="store_true",
                     help="agreement checkpoints keep the configs' expert top-k (see dense_routing)")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from now after which no run starts and running ones are "
+                    "stopped; results are then written from what finished")
+    ap.add_argument("--profile-memory", action="store_true",
+                    help="agreement engines size their KV cache by vLLM's memory profiling "
+                    "(then start-up is serialized by a lock and staggered) instead of a "
+                    f"fixed {AGREE_KV_GIB:g} GiB")
     args = ap.parse_args()
+    if args.deadline is not None:
+        _DEADLINE[0] = time.time() + args.deadline
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     steps = set(args.steps.split(","))
     agree_extra = ["--gpu-mem", str(round(0.9 / args.parallel, 2))]
+    if not args.profile_memory:
+        agree_extra += ["--kv-cache-gib", str(AGREE_KV_GIB)]
+    stagger = STAGGER_S if args.profile_memory else 0
     if args.quick:
         agree_extra += ["--lens", "7", "300", "1500", "5000", "--gen", "16"]
 
     if "ckpt" in steps:
         make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()),
                          dense=not args.sparse_routing)
-    if "nocompile" in steps:
-        for name in AGREE_MODELS:
-            cfg, fmt = MODELS[name]
-            out = work / f"{name}-a100-nocompile.json"
-            sh([sys.executable, str(HERE / "run.py"), "--model", str(work / f"{name}-{fmt}"),
-                "--mode", "a100", "--task", "agree", "--jit-warmup", "--audit", "--out",
-                str(out), *agree_extra], work / f"{name}-a100-nocompile.log",
-               timeout=RUN_TIMEOUT_S)
-    jobs = []
+    # Jobs in priority order (a --deadline drops the tail): (model, mode, form), form one of
+    # "eager", "graphs", "nocompile".
+    jobs: list[tuple[str, str, str]] = []
     if "agree" in steps:
-        jobs += [(n, m, True) for n in AGREE_MODELS for m in MODES]
+        jobs += [(n, m, "eager") for n in AGREE_MODELS for m in MODES]
     if "graphs" in steps:
-        jobs += [(n, m, False) for n in AGREE_MODELS for m in ("a100", "upstream")]
+        jobs += [(n, m, "graphs") for n in AGREE_MODELS for m in ("a100", "upstream")]
     if "yoco" in steps:
-        jobs += [(n, m, True) for n in AGREE_MODELS
-                 for m in ("a100", "sm90", "a100_noyoco", "sm90_noyoco", "a100_rerun")
-                 if not (work / f"{n}-{m}-agree-eager.json").exists()]
+        jobs += [(n, m, "eager") for n in AGREE_MODELS
+                 for m in ("a100", "sm90", "a100_noyoco", "sm90_noyoco", "a100_rerun")]
+    if "nocompile" in steps:
+        jobs += [(n, "a100", "nocompile") for n in AGREE_MODELS]
+    if "graphs" in steps:
+        jobs += [(n, "sm90", "graphs") for n in AGREE_MODELS]
+    jobs = [j for i, j in enumerate(jobs) if j not in jobs[:i] and not _out(work, *j).exists()]
+
     def job(ij):
         i, j = ij
-        # Staggered starts: an engine profiling its memory while another one frees
-        # memory trips vLLM's memory-profiling check.
-        time.sleep(STAGGER_S * (i % args.parallel) if i < args.parallel else 0)
-        return j, run_mode(work, j[0], j[1], "agree", j[2], agree_extra)
-    with ThreadPoolExecutor(args.parallel) as pool:
+        # Staggered starts (--profile-memory only): an engine profiling its memory while
+        # another one frees memory trips vLLM's memory-profiling check.
+        time.sleep(stagger * (i % args.parallel) if i < args.parallel else 0)
+        return j, run_job(work, *j, agree_extra)
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
         outs = list(pool.map(job, enumerate(jobs)))
-    # A run that failed beside others is tried once more alone.
-    outs = [(j, p or run_mode(work, j[0], j[1], "agree", j[2], agree_extra)) for j, p in outs]
+    if args.profile_memory:  # a run that failed beside others is tried once more alone
+        outs = [(j, p or run_job(work, *j, agree_extra)) for j, p in outs]
+    not_done = [f"{n}/{m}/{form}" for (n, m, form), p in outs if not p]
     tput_outs = []
     if "tput" in steps:
         extra = ["--max-model-len", str(32768 + 512), "--gpu-mem", "0.85"]
         if args.quick:
             extra += ["--batches", "1", "8", "32", "--prefill-lens", "1024", "8192"]
         for m in MODES:
-            tput_outs.append((m, run_mode(work, TPUT_MODEL, m, "tput", False, extra)))
+            if (work / f"{TPUT_MODEL}-{m}-tput-graphs.json").exists():
+                continue
+            p = run_mode(work, TPUT_MODEL, m, "tput", False, extra)
+            if not p:
+                not_done.append(f"{TPUT_MODEL}/{m}/tput")
     # Results from every run in the work folder, earlier invocations' too (so the steps can
     # run as separate commands and still land in one file).
     outs, tput_outs = [], []
@@ -169,8 +220,9 @@ def main() -> int:
         outs.append(((name, mode, form == "eager"), f))
     for m in MODES:
         f = work / f"{TPUT_MODEL}-{m}-tput-graphs.json"
-        tput_outs.append((m, f if f.exists() else None))
-    write_results(args, work, outs, tput_outs)
+        if f.exists():
+            tput_outs.append((m, f))
+    write_results(args, work, outs, tput_outs, not_done)
     return 0
 
 
@@ -185,10 +237,11 @@ def _meta(sample: dict) -> dict:
     return {k: sample.get(k) for k in ("gpu", "torch", "triton", "vllm", "commit")}
 
 
-def write_results(args, work: Path, outs, tput_outs) -> None:
+def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
     runs = {j: json.load(open(p)) for j, p in outs if p}
-    rows, failed_runs = [], [f"{n}/{m}/{'eager' if e else 'graphs'}" for (n, m, e), p in outs
-                             if not p]
+    # Runs this invocation started that did not finish (failed, timed out or dropped by the
+    # deadline); their logs are in the work folder.
+    rows, failed_runs = [], list(not_done)
     for (name, mode, eager), r in runs.items():
         if "audit" in r:
             a = r["audit"]
@@ -239,9 +292,6 @@ def write_results(args, work: Path, outs, tput_outs) -> None:
                          warmup_seconds=a.get("warmup_seconds"), load_seconds=r["load_seconds"],
                          failed=a["failed"]))
     for mode, p in tput_outs:
-        if not p:
-            failed_runs.append(f"{TPUT_MODEL}/{mode}/tput")
-            continue
         r = json.load(open(p))
         for t in r["rows"]:
             rows.append(dict(kernel="e2e", variant=mode,

@@ -139,6 +139,10 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill-lens", type=int, nargs="*", default=[1024, 8192, 32768])
     ap.add_argument("--gpu-mem", type=float, default=0.85)
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="fixed KV cache size (vLLM's kv_cache_memory_bytes): vLLM then skips "
+                    "the memory-profiling comparison, so engines can start side by side "
+                    "without taking the start-up lock")
     ap.add_argument("--dummy", action="store_true", help="vLLM's dummy weights (no checkpoint)")
     ap.add_argument("--lens", type=int, nargs="*", default=list(AGREE_LENS),
                     help="prompt lengths for agree")
@@ -173,9 +177,13 @@ def main() -> int:
             ap.error("--jit-warmup and --eager exclude each other (--eager turns the warmup off)")
         eager_kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "NONE"}
     # Engines run side by side (e2e.py --parallel): vLLM's memory profiling fails when another
-    # process releases GPU memory meanwhile, so start-up and exit take one lock in turn.
-    gate = _EngineGate()
+    # process releases GPU memory meanwhile, so start-up and exit take one lock in turn. With a
+    # fixed KV cache size vLLM does not compare free memory before and after its profile run
+    # (v1/worker/gpu_worker.py determine_available_memory), so no lock is needed.
+    gate = _EngineGate(enabled=args.kv_cache_gib is None)
     gate.acquire()
+    if args.kv_cache_gib is not None:
+        eager_kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     llm = LLM(model=args.model, skip_tokenizer_init=not has_tok, language_model_only=True,
               **eager_kw, max_model_len=args.max_model_len,
               max_num_batched_tokens=CHUNK, enable_chunked_prefill=True,
@@ -227,16 +235,18 @@ class _EngineGate:
     """An exclusive file lock shared by the engines of one machine (see its use in main)."""
     PATH = os.environ.get("E2E_ENGINE_LOCK", "/tmp/deepinfer-e2e-engine.lock")
 
-    def __init__(self):
-        self.f = open(self.PATH, "a")
+    def __init__(self, enabled: bool = True):
+        self.f = open(self.PATH, "a") if enabled else None
 
     def acquire(self):
-        import fcntl
-        fcntl.flock(self.f, fcntl.LOCK_EX)
+        if self.f is not None:
+            import fcntl
+            fcntl.flock(self.f, fcntl.LOCK_EX)
 
     def release(self):
-        import fcntl
-        fcntl.flock(self.f, fcntl.LOCK_UN)
+        if self.f is not None:
+            import fcntl
+            fcntl.flock(self.f, fcntl.LOCK_UN)
 
 
 def selections(llm) -> dict:

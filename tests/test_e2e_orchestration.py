@@ -1,0 +1,129 @@
+"""benchmarks/e2e/e2e.py on CPU with a stand-in for the engine runs: which runs it starts, in
+what order, that a --deadline drops the tail and says so, and that the results file pairs the
+runs it finds (agreement, cross-layer reuse on/off)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
+import e2e  # noqa: E402
+
+
+def _fake_run(tokens_by_mode: dict, started: list, delay: float = 0.0):
+    """A stand-in for `sh`: writes what run.py would for an agree/tput command."""
+    def sh(cmd, log, env=None, timeout=None):
+        if e2e._left() < 30:
+            return 125
+        if "make_checkpoint.py" in " ".join(map(str, cmd)):
+            out = Path(cmd[cmd.index("--out") + 1])
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text("{}")
+            return 0
+        mode = cmd[cmd.index("--mode") + 1]
+        out = Path(cmd[cmd.index("--out") + 1])
+        started.append((out.stem, "--kv-cache-gib" in cmd, "--audit" in cmd))
+        time.sleep(delay)
+        if "--task" in cmd and cmd[cmd.index("--task") + 1] == "tput":
+            json.dump(dict(load_seconds=1.0, rows=[dict(phase="decode", batch=1, prompt_len=512,
+                                                        tokens_per_s=10.0, seconds=1.0)]),
+                      open(out, "w"))
+            return 0
+        tok = tokens_by_mode.get(mode, 5)
+        run = dict(mode=mode, gpu="NVIDIA H200", commit="abc1234", load_seconds=1.0,
+                   prompts=[dict(prompt_len=3, prompt=[[tok, -0.5, -1.0], [7, -0.4, -2.0]],
+                                 generated=[[9, -0.1, []], [tok, -0.2, []]])])
+        if "--jit-warmup" in cmd:
+            run["audit"] = dict(zero_compile=True, serve_compiles=[], compiles_by_phase={},
+                                failed=[], triton_kernels=[], cuda_ops=[],
+                                deep_gemm_calls=0, tilelang_compiles=0)
+        json.dump(run, open(out, "w"))
+        return 0
+    return sh
+
+
+def _main(monkeypatch, tmp_path, argv, sh):
+    monkeypatch.setattr(e2e, "sh", sh)
+    monkeypatch.setattr(e2e, "_DEADLINE", [float("inf")])
+    monkeypatch.setattr(e2e, "STAGGER_S", 0)
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--work", str(tmp_path / "w"),
+                                      "--results", str(tmp_path / "r"), *argv])
+    assert e2e.main() == 0
+    (res,) = (tmp_path / "r").glob("*.json")
+    return json.load(open(res))
+
+
+def test_each_run_once_in_priority_order(monkeypatch, tmp_path):
+    started = []
+    out = _main(monkeypatch, tmp_path, ["--steps", "ckpt,agree,graphs,yoco,nocompile",
+                                        "--parallel", "1"], _fake_run({}, started))
+    stems = [s for s, _, _ in started]
+    assert len(stems) == len(set(stems)), "a run was started twice"
+    # 6 eager agreement + 4 graphs (a100, upstream) + 6 reuse-off/rerun + 2 nocompile
+    # + 2 sm90 graphs
+    assert len(stems) == 20
+    assert stems[:6] == [f"{n}-{m}-agree-eager" for n in e2e.AGREE_MODELS for m in e2e.MODES]
+    assert stems[-2:] == [f"{n}-sm90-agree-graphs" for n in e2e.AGREE_MODELS]
+    assert all(kv for _, kv, _ in started), "agreement engines get a fixed KV cache size"
+    audited = {s for s, _, a in started if a}
+    assert audited == {f"{n}-a100-agree-eager" for n in e2e.AGREE_MODELS} | {
+        f"{n}-a100-nocompile" for n in e2e.AGREE_MODELS}
+    kinds = {(r["kernel"], r["variant"]) for r in out["rows"]}
+    assert ("e2e_agreement", "a100_vs_upstream") in kinds
+    assert ("yoco_e2e", "a100_vs_a100_noyoco") in kinds
+    assert ("zero_compile", "a100") in kinds
+    assert out["meta"]["failed_runs"] == []
+
+
+def test_agreement_rows_see_a_disagreement(monkeypatch, tmp_path):
+    started = []
+    out = _main(monkeypatch, tmp_path, ["--steps", "ckpt,agree", "--parallel", "3"],
+                _fake_run({"upstream": 6}, started))
+    rows = {(r["shape"]["model"], r["variant"]): r for r in out["rows"]
+            if r["kernel"] == "e2e_agreement"}
+    assert rows[("v41-mini", "a100_vs_sm90")]["top1_agree"] == 1.0
+    assert rows[("v41-mini", "a100_vs_upstream")]["top1_agree"] == 0.5
+    assert not rows[("v41-mini", "a100_vs_upstream")]["detail"]["within_tolerance"]
+
+
+def test_deadline_drops_the_tail_and_says_so(monkeypatch, tmp_path):
+    started = []
+    sh = _fake_run({}, started, delay=0.2)
+    monkeypatch.setattr(e2e, "sh", sh)
+
+    def main_with_short_deadline():
+        # 30.5 s: the first run starts, later ones find under 30 s left.
+        argv = ["--steps", "ckpt,agree", "--parallel", "1", "--deadline", "30.3"]
+        return _main(monkeypatch, tmp_path, argv, sh)
+    out = main_with_short_deadline()
+    assert 1 <= len(started) < 6
+    assert len(out["meta"]["failed_runs"]) == 6 - len(started)
+    assert all(f.endswith("/eager") for f in out["meta"]["failed_runs"])
+
+
+def test_existing_outputs_are_not_run_again(monkeypatch, tmp_path):
+    started = []
+    _main(monkeypatch, tmp_path, ["--steps", "ckpt,agree", "--parallel", "2"],
+          _fake_run({}, started))
+    first = len(started)
+    for f in (tmp_path / "r").glob("*.json"):
+        f.unlink()
+    out = _main(monkeypatch, tmp_path, ["--steps", "ckpt,agree,yoco", "--parallel", "2"],
+                _fake_run({}, started))
+    again = [s for s, _, _ in started[first:]]
+    assert sorted(again) == sorted(f"{n}-{m}-agree-eager" for n in e2e.AGREE_MODELS
+                                   for m in ("a100_noyoco", "sm90_noyoco", "a100_rerun"))
+    assert any(r["kernel"] == "yoco_e2e" and r["identical"] for r in out["rows"])
+
+
+@pytest.mark.parametrize("flag,kv", [([], True), (["--profile-memory"], False)])
+def test_profile_memory_switch(monkeypatch, tmp_path, flag, kv):
+    started = []
+    _main(monkeypatch, tmp_path, ["--steps", "ckpt,agree", "--parallel", "6", *flag],
+          _fake_run({}, started))
+    assert {k for _, k, _ in started} == {kv}
