@@ -252,8 +252,7 @@ def test_cli_json_layout(ckpts, tmp_path):
     r = json.loads(out.read_text())
     assert r["mode"] == "fp32_reference"
     assert [p["prompt_len"] for p in r["prompts"]] == [5, 30]
-    from run import prompts
-    ps = prompts([5, 30], 512, 0)
+    ps = R.e2e_run_module().prompts([5, 30], 512, 0)
     for p, row in zip(ps, r["prompts"]):
         assert len(row["prompt"]) == len(p) - 1 and row["generated"] == []
         for top, top_lp, lp in row["prompt"]:

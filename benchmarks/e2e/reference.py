@@ -82,6 +82,16 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
+
+
+def e2e_run_module():
+    """benchmarks/e2e/run.py, loaded by path: a bare `import run` can find benchmarks/run.py
+    first when another module put benchmarks/ on sys.path."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("e2e_run", HERE / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 REPO = HERE.parent.parent
 for _p in (str(REPO / "tools"), str(HERE)):
     if _p not in sys.path:
@@ -743,7 +753,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mimic-kv-fp8", action="store_true",
                     help="round the KV cache rows as the 584-B fp8 record does")
     args = ap.parse_args(argv)
-    from run import AGREE_LENS, prompts
+    e2e_run = e2e_run_module()
+    AGREE_LENS, prompts = e2e_run.AGREE_LENS, e2e_run.prompts
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
