@@ -97,7 +97,7 @@ for _p in (str(REPO / "tools"), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from make_checkpoint import dequantize_fp8_blocks, dequantize_mxfp4  # noqa: E402
+from make_checkpoint import _is_prime, dequantize_fp8_blocks, dequantize_mxfp4  # noqa: E402
 
 ROPE_DIM = 64
 HC_POST_MULT = 2.0          # hc_post_alpha in both decoder layers
@@ -262,17 +262,6 @@ def engram_token_map(ckpt: Path, vocab: int):
             key = normalized if normalized else text
         lookup[tid] = key_to_new.setdefault(key, len(key_to_new))
     return torch.tensor(lookup, dtype=torch.int64), len(key_to_new)
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    i = 2
-    while i * i <= n:
-        if n % i == 0:
-            return False
-        i += 1
-    return True
 
 
 def engram_layout(cfg: dict):
