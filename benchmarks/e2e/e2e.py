@@ -297,8 +297,9 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
             rows.append(dict(kernel="e2e", variant=mode,
                              shape=dict(model=TPUT_MODEL, phase=t["phase"], batch=t["batch"],
                                         prompt_len=t["prompt_len"]),
-                             tokens_per_s=t["tokens_per_s"], seconds=t["seconds"],
-                             load_seconds=r["load_seconds"]))
+                             tokens_per_s=t["tokens_per_s"], seconds=t.get("seconds"),
+                             timing=t.get("timing", "whole generate call"),
+                             error=t.get("error"), load_seconds=r["load_seconds"]))
     sample = next(iter(runs.values()), None) or {}
     meta = dict(_meta(sample), date=datetime.date.today().isoformat(), failed_runs=failed_runs,
                 note="H200 figures; the a100 mode emulates an A100's kernel selection on the "
@@ -323,7 +324,9 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                   f"of which ours {w.get('deepinfer_keys', 0):.1f}s")
         elif row["kernel"] == "e2e":
             print(f"  {row['variant']:9s} {row['shape']['phase']:8s} b{row['shape']['batch']:<3d} "
-                  f"L{row['shape']['prompt_len']:<6d} {row['tokens_per_s']:10.1f} tok/s")
+                  f"L{row['shape']['prompt_len']:<6d} "
+                  + (f"{row['tokens_per_s']:10.1f} tok/s" if row["tokens_per_s"] is not None
+                     else f"failed: {row['error']}"))
         else:
             print(f"  audit {row['shape']['model']}: {row['triton_kernels']} Triton kernels, "
                   f"{row['cuda_ops']} ops, failed: {row['failed'] or 'none'}")
