@@ -50,3 +50,17 @@ def test_tilelang_compiles_while_serving_fail():
     rec.tilelang_by_phase["serve"] += 1
     assert audit.serve_compile_failures(rec) == [
         "compiled while serving: 1 TileLang kernel(s)"]
+
+
+def test_sampler_compiles_are_listed_apart_not_excused_silently():
+    """vLLM's logprob kernels compile on the first logprobs request on any GPU: outside the
+    Ampere path, so they do not fail the check, but check() lists them."""
+    rec = audit.Recorder()
+    with rec.serving():
+        _compile(rec, "vllm.v1.worker.gpu.sample.logprob._topk_log_softmax_kernel")
+    assert audit.serve_compile_failures(rec) == []
+    assert [c["name"] for c in rec.serve_compiles if audit.outside_path(c)] == [
+        "vllm.v1.worker.gpu.sample.logprob._topk_log_softmax_kernel"]
+    with rec.serving():
+        _compile(rec, "vllm.v1.attention.ops.rocm_aiter_mla_sparse._count_valid_row_entries_kernel")
+    assert len(audit.serve_compile_failures(rec)) == 1

@@ -287,6 +287,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
         rows.append(dict(kernel="zero_compile", variant="a100",
                          shape=dict(model=f.stem.split("-a100-")[0], jit_warmup=True),
                          passed=a["zero_compile"], serve_compiles=a["serve_compiles"],
+                         serve_compiles_outside_path=a.get("serve_compiles_outside", []),
                          tilelang_by_phase=a.get("tilelang_by_phase"),
                          compiles_by_phase=a["compiles_by_phase"],
                          warmup_seconds=a.get("warmup_seconds"), load_seconds=r["load_seconds"],

@@ -74,6 +74,13 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # (vllm.deepinfer.yoco): the layers compute the same thing either way, hence on
     # everywhere; 0 rebuilds it in every layer, as upstream does.
     Feature("yoco_reuse", _ALL, "cross-layer metadata reuse (YOCO) within one forward"),
+    # Upstream helpers the Ampere path launches but vLLM's JIT warmup does not know (the
+    # dense -> ragged index conversion, V4.1's candidate-block selection): their per-batch
+    # integers are unspecialized (patches 0003 and 0026) and their configurations compiled in the
+    # warmup (vllm.deepinfer.warmup), so no request compiles them. The H200 nocompile run
+    # (benchmarks/results/h200-2026-12-01-e2e-4ab26c8.json, zero_compile rows) saw each
+    # compile while serving. On everywhere: it changes no value, only when compiles happen.
+    Feature("serve_warmup", _ALL, "upstream ragged/candidate helpers unspecialized and warmed"),
 )}
 
 

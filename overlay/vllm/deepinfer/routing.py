@@ -17,7 +17,7 @@ logger = logging.getLogger("vllm.deepinfer")
 
 __all__ = ["use", "cutedsl_allowed", "reset", "kv_gather", "combine_topk_swa_indices",
            "sparse_attn_decode", "sparse_attn_prefill", "mqa_logits", "paged_mqa_logits", "pack_fp8_as_bytes",
-           "fp8_writers", "rope_quant_insert", "indexer_k_norm_rope_store",
+           "fp8_writers", "rope_quant_insert", "unspecialized", "indexer_k_norm_rope_store",
            "compress_norm_rope_store", "fused_inv_rope_fp8_quant", "fused_indexer_q_rope_quant",
            "CUTEDSL_MIN_CAPABILITY"]
 
@@ -39,6 +39,13 @@ def use(feature: str) -> bool:
     on = v is not None and envs.enabled(feature, v)
     logger.debug("deepinfer: %s %s on variant %s", feature, "on" if on else "off", v)
     return on
+
+
+def unspecialized(names: list[str]) -> list[str]:
+    """``do_not_specialize`` names for an upstream Triton kernel (patches 0003 and 0026): ``names``
+    unless ``serve_warmup`` is switched off. Decided from the environment alone: it runs at
+    import, in the kernel's decorator, before any GPU is queried."""
+    return [] if envs.explicit("serve_warmup") is False else list(names)
 
 
 @functools.cache

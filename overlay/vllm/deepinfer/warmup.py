@@ -66,6 +66,8 @@ class ModelShapes:
     index_heads: int = 64              # indexer heads (replicated, not split by TP)
     model: str = "v41"                 # "v41" or "v4": the cache page geometry
     max_model_len: int = 0             # bounds V4's C128A top-k width (0: index_topk)
+    candidate_block_size: int = 0      # V4.1's candidate blocks (0: none in this model)
+    candidate_topk_blocks: int = 0
 
     def swa_only(self, ratio: int) -> bool:
         return ratio == 0 if self.model == "v41" else ratio <= 1
@@ -115,7 +117,9 @@ def model_shapes(vllm_config: Any) -> ModelShapes:
                        compress_ratios=ratios, topk=int(getattr(hf, "index_topk", 0) or 0),
                        heads=max(1, heads // tp),
                        index_heads=int(getattr(hf, "index_n_heads", 64) or 64), model=model,
-                       max_model_len=int(getattr(model_config, "max_model_len", 0) or 0))
+                       max_model_len=int(getattr(model_config, "max_model_len", 0) or 0),
+                       candidate_block_size=int(getattr(hf, "candidate_block_size", 0) or 0),
+                       candidate_topk_blocks=int(getattr(hf, "candidate_topk_blocks", 0) or 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +127,7 @@ class WarmupKey:
     """One compile of one kernel: its constexprs and launch options (hashable)."""
     kernel: str                            # a key of _KERNELS
     constexprs: tuple[tuple[str, Any], ...]
-    num_warps: int
+    num_warps: int | None
     # None: the launcher passes no num_stages (Triton's default applies); the options a
     # launch passes are part of the cache key, so the warmup passes exactly the same.
     num_stages: int | None
@@ -131,6 +135,9 @@ class WarmupKey:
     # signature's (an unsplit decode passes ``out`` for its unused partials): the dtype is
     # part of Triton's cache key, so the warmup must pass the same.
     ptrs: tuple[tuple[str, str], ...] = ()
+    # Integer (or None) values of arguments a launch passes where Triton would specialize
+    # them differently from ``_INT`` (unit strides, absent pointers): upstream helpers only.
+    ints: tuple[tuple[str, Any], ...] = ()
 
 
 def _gather_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
@@ -220,6 +227,15 @@ def _indexer_logits_keys(shapes: ModelShapes, variant: str, sm_count: int) -> li
             for c in il.compile_constexprs(variant, shapes.index_heads)]
 
 
+def _serve_warmup_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
+    from vllm.deepinfer import warmup_upstream as wu
+    keys = wu.ragged_keys(WarmupKey)
+    if shapes.model == "v41":
+        keys += wu.candidate_keys(WarmupKey, shapes.candidate_block_size,
+                                  shapes.candidate_topk_blocks)
+    return keys
+
+
 # feature (vllm.deepinfer.envs) -> key builder
 _KEYS: dict[str, Callable[[ModelShapes, str, int], list[WarmupKey]]] = {
     "kv_gather": _gather_keys,
@@ -227,6 +243,7 @@ _KEYS: dict[str, Callable[[ModelShapes, str, int], list[WarmupKey]]] = {
     "sparse_mla_decode": _decode_keys,
     "sparse_mla_prefill": _prefill_keys,
     "indexer_logits": _indexer_logits_keys,
+    "serve_warmup": _serve_warmup_keys,
 }
 
 
@@ -262,8 +279,14 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
 
 def _kernel_and_signature(name: str):
     import importlib
+    from vllm.deepinfer import warmup_upstream
+    if name in warmup_upstream.KERNELS:  # upstream's kernel, our table of its signature
+        module, kernel = warmup_upstream.KERNELS[name]
+        return (getattr(importlib.import_module(module), kernel),
+                warmup_upstream.SIGNATURES[name])
     if name not in _KERNELS:
-        raise ValueError(f"unknown warmup kernel {name!r}; known: {', '.join(_KERNELS)}")
+        raise ValueError(f"unknown warmup kernel {name!r}; known: "
+                         f"{', '.join([*_KERNELS, *warmup_upstream.KERNELS])}")
     module, kernel, sig = _KERNELS[name]
     m = importlib.import_module(module)
     return getattr(m, kernel), getattr(m, sig)
@@ -278,11 +301,14 @@ def warmup_args(key: WarmupKey) -> tuple[list, dict]:
     import torch
     _, sig = _kernel_and_signature(key.kernel)
     ptrs = dict(key.ptrs)
+    ints = dict(key.ints)
     args = []
     for name, ty in sig.items():
         if ty == "constexpr":
             continue
-        if ty.startswith("*"):
+        if name in ints:
+            args.append(ints[name])
+        elif ty.startswith("*"):
             args.append(getattr(torch, _DTYPES[ptrs.get(name, ty[1:])]))
         elif ty in ("fp32", "fp16", "bf16"):
             args.append(1.5)
@@ -300,7 +326,8 @@ def compile_key(key: WarmupKey) -> None:
 
 def launch_options(key: WarmupKey) -> dict[str, int]:
     """The launch options of ``key``, as its launcher passes them."""
-    opts = {"num_warps": key.num_warps}
+    # None: the launcher passes no num_warps (upstream helpers), Triton's default applies.
+    opts = {} if key.num_warps is None else {"num_warps": key.num_warps}
     if key.num_stages is not None:
         opts["num_stages"] = key.num_stages
     return opts

@@ -95,15 +95,20 @@ def _pool_and_norm(state, state_stride0, state_stride1, req, position, block_tab
 
 
 # ----------------------------------------------------------------- head 512: 584-byte record
-@triton.jit(do_not_specialize=["num_slots"])
+# block_size (the state cache's) and the page stride are runtime values: vLLM pads V4's
+# compressed pages to the largest page of the model (C128A's 2-entry pages were 141,696
+# bytes in the H200 e2e run, not 2 x 584), so a constexpr stride or a specialized block size
+# compiled again while serving (benchmarks/results/h200-2026-12-01-e2e-4ab26c8.json,
+# zero_compile). Strides are multiples of 576 bytes: one "divisible by 16" build.
+@triton.jit(do_not_specialize=["num_slots", "block_size"])
 def _compress_sparse_attn_kernel(
     state, state_stride0, state_stride1,
     token_to_req, positions, state_slots, block_table, block_table_stride, block_size,
     norm_weight, eps, cos_sin, cos_stride,
-    cache, cache_slots, cache_block, num_slots,
+    cache, cache_slots, cache_block, num_slots, cache_stride,
     HEAD: tl.constexpr, STATE_WIDTH: tl.constexpr, COMPRESS_RATIO: tl.constexpr,
     OVERLAP: tl.constexpr, ROPE: tl.constexpr, QBLOCK: tl.constexpr,
-    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, CACHE_STRIDE: tl.constexpr,
+    DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
     HW_FP8: tl.constexpr,
 ):
     """One program per token; a group's last token writes the group's 584-byte record."""
@@ -127,7 +132,7 @@ def _compress_sparse_attn_kernel(
     NOPE: tl.constexpr = HEAD - ROPE
     NBLK: tl.constexpr = HEAD // QBLOCK
     d = tl.arange(0, HEAD)
-    page = cache + (slot // cache_block).to(tl.int64) * CACHE_STRIDE
+    page = cache + (slot // cache_block).to(tl.int64) * cache_stride
     row = slot % cache_block
     data = page + row * DATA_BYTES
     scale_dst = page + cache_block * DATA_BYTES + row * SCALE_BYTES
@@ -154,15 +159,15 @@ def _compress_sparse_attn_kernel(
 
 # ----------------------------------------------------------------- head 128: indexer FP8 row
 @triton.jit(do_not_specialize=["state_stride0", "state_stride1", "block_table_stride", "eps",
-                               "cos_stride", "num_slots"])
+                               "cos_stride", "num_slots", "block_size"])
 def _compress_indexer_kernel(
     state, state_stride0, state_stride1,
     token_to_req, positions, state_slots, block_table, block_table_stride, block_size,
     norm_weight, eps, cos_sin, cos_stride,
-    cache, cache_slots, cache_block, num_slots,
+    cache, cache_slots, cache_block, num_slots, cache_stride,
     HEAD: tl.constexpr, STATE_WIDTH: tl.constexpr, COMPRESS_RATIO: tl.constexpr,
     OVERLAP: tl.constexpr, ROPE: tl.constexpr, SCALE_BYTES: tl.constexpr,
-    CACHE_STRIDE: tl.constexpr, MX_SCALE: tl.constexpr, HW_FP8: tl.constexpr,
+    MX_SCALE: tl.constexpr, HW_FP8: tl.constexpr,
 ):
     """One program per token; a group's last token stores the group's fp8 index key."""
     t = tl.program_id(0)
@@ -185,7 +190,7 @@ def _compress_indexer_kernel(
     x = tl.interleave(re, ro).to(tl.bfloat16).to(tl.float32)
 
     # One power-of-two scale for the key (a single HEAD-wide quant block).
-    page = cache + (slot // cache_block).to(tl.int64) * CACHE_STRIDE
+    page = cache + (slot // cache_block).to(tl.int64) * cache_stride
     store_fp8_key_row(x, page, slot % cache_block, cache_block, HEAD, SCALE_BYTES, MX_SCALE,
                       HW_FP8)
 
@@ -297,9 +302,10 @@ def compress_norm_rope_store_triton(
     args = (state_cache, state_cache.stride(0), state_cache.stride(1),
             token_to_req_indices, positions, slot_mapping, block_table, block_table.stride(0),
             block_size, rms_norm_weight, rms_norm_eps, cos_sin_cache, cos_sin_cache.stride(0),
-            kv_cache, kv_slots, kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1])
+            kv_cache, kv_slots, kv_cache.shape[1], kv_cache.shape[0] * kv_cache.shape[1],
+            kv_cache.stride(0))
     common = dict(HEAD=head_dim, STATE_WIDTH=state_width, COMPRESS_RATIO=compress_ratio,
-                  OVERLAP=overlap, ROPE=rope_head_dim, CACHE_STRIDE=kv_cache.stride(0), HW_FP8=v.hw_fp8)
+                  OVERLAP=overlap, ROPE=rope_head_dim, HW_FP8=v.hw_fp8)
     if head_dim == SPARSE_ATTN_HEAD_DIM:
         _compress_sparse_attn_kernel[(num_actual,)](
             *args, QBLOCK=quant_block, DATA_BYTES=token_stride, SCALE_BYTES=scale_dim,
@@ -312,32 +318,24 @@ def compress_norm_rope_store_triton(
 
 # ----------------------------------------------------------------- compile gate
 # The launches at V4 shapes: fp32 state pages of 4 rows (c4) / 8 rows (c128) as
-# CompressorStateCache allocates them, compressed pages of 64 entries (256-token blocks /
-# ratio 4) and 2 entries (/ ratio 128) with the 576-byte page alignment, a bf16 norm weight
+# CompressorStateCache allocates them, compressed pages of any 576-byte-aligned stride, a bf16 norm weight
 # and an fp32 [max_pos, 64] cos_sin cache. Upstream's overlap rule: on for ratio 4 only.
 _SIG = {"state": "*fp32", "state_stride0": "i32", "state_stride1": "i32", "token_to_req": "*i32",
         "positions": "*i64", "state_slots": "*i64", "block_table": "*i32",
         "block_table_stride": "i32", "block_size": "i32", "norm_weight": "*bf16", "eps": "fp32",
         "cos_sin": "*fp32", "cos_stride": "i32", "cache": "*u8", "cache_slots": "*i64",
-        "cache_block": "i32", "num_slots": "i32", "HEAD": "constexpr", "STATE_WIDTH": "constexpr",
-        "COMPRESS_RATIO": "constexpr", "OVERLAP": "constexpr", "ROPE": "constexpr",
-        "CACHE_STRIDE": "constexpr"}
-# vLLM aligns these caches' pages to 576 bytes (the 584-byte record's data part).
-_ALIGN = rec.DATA_BYTES
-
-
-def _page_stride(entries: int, row_bytes: int) -> int:
-    return -(-entries * row_bytes // _ALIGN) * _ALIGN
-
-
-for _cr, _entries in ((r, shapes.V4_LOGICAL_BLOCK // r) for r in shapes.V4.ratios if r > 0):
+        "cache_block": "i32", "num_slots": "i32", "cache_stride": "i32", "HEAD": "constexpr",
+        "STATE_WIDTH": "constexpr", "COMPRESS_RATIO": "constexpr", "OVERLAP": "constexpr",
+        "ROPE": "constexpr"}
+# The page stride is a runtime argument (a multiple of vLLM's 576-byte page alignment).
+for _cr in (r for r in shapes.V4.ratios if r > 0):
     _ov = _cr == 4
     register_writer(
         f"v4.compress_sparse_attn.cr{_cr}", _compress_sparse_attn_kernel,
         {**_SIG, "QBLOCK": "constexpr", "DATA_BYTES": "constexpr", "SCALE_BYTES": "constexpr"},
         {"HEAD": SPARSE_ATTN_HEAD_DIM, "STATE_WIDTH": (1 + _ov) * SPARSE_ATTN_HEAD_DIM,
          "COMPRESS_RATIO": _cr, "OVERLAP": _ov, "ROPE": ROPE_HEAD_DIM,
-         "CACHE_STRIDE": _page_stride(_entries, rec.RECORD_BYTES), "QBLOCK": rec.QUANT_BLOCK,
+         "QBLOCK": rec.QUANT_BLOCK,
          "DATA_BYTES": rec.DATA_BYTES, "SCALE_BYTES": rec.SCALE_BYTES},
         {v: _SPARSE_ATTN_WARPS[v] for v in ("sm80", "sm90")})
 # The indexer exists on the c4a layers only.
@@ -346,6 +344,5 @@ register_writer(
     {**_SIG, "SCALE_BYTES": "constexpr", "MX_SCALE": "constexpr"},
     {"HEAD": INDEXER_HEAD_DIM, "STATE_WIDTH": 2 * INDEXER_HEAD_DIM, "COMPRESS_RATIO": 4,
      "OVERLAP": True, "ROPE": ROPE_HEAD_DIM,
-     "CACHE_STRIDE": _page_stride(shapes.V4_LOGICAL_BLOCK // 4, rec.INDEX_RECORD_BYTES),
      "SCALE_BYTES": INDEXER_SCALE_BYTES, "MX_SCALE": False},
     {v: _INDEXER_WARPS[v] for v in ("sm80", "sm90")})
