@@ -127,3 +127,25 @@ def test_profile_memory_switch(monkeypatch, tmp_path, flag, kv):
     _main(monkeypatch, tmp_path, ["--steps", "ckpt,agree", "--parallel", "6", *flag],
           _fake_run({}, started))
     assert {k for _, k, _ in started} == {kv}
+
+
+def _agree(mode, rows):
+    return dict(mode=mode, prompts=[dict(prompt_len=len(rows) + 1, generated=[],
+                                         prompt=[[t, -0.5, lp] for t, lp in rows])])
+
+
+@pytest.mark.parametrize("a100_lp,passed", [(-1.00, True), (-1.05, True), (-1.40, False)])
+def test_reference_check_uses_upstreams_own_spread(tmp_path, a100_lp, passed):
+    """a100 passes when no further from the fp32 reference than upstream, within the spread
+    of upstream's eager and CUDA-graph runs against the same reference."""
+    ref = _agree("fp32_reference", [(1, -1.0), (2, -2.0)])
+    json.dump(ref, open(tmp_path / "v41-mini-ref.json", "w"))
+    runs = {("v41-mini", "upstream", True): _agree("upstream", [(1, -1.1), (2, -2.0)]),
+            ("v41-mini", "upstream", False): _agree("upstream", [(1, -1.0), (2, -2.0)]),
+            ("v41-mini", "a100", True): _agree("a100", [(1, a100_lp), (2, -2.0)])}
+    rows = e2e.reference_rows(tmp_path, runs)
+    (check,) = [r for r in rows if r["kernel"] == "e2e_reference_check"]
+    assert check["margin"]["max_abs_dlogprob"] == pytest.approx(0.1)
+    assert check["passed"] is passed
+    assert {r["variant"] for r in rows if r["kernel"] == "e2e_vs_fp32_reference"} == {
+        "upstream", "a100"}

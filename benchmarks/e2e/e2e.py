@@ -18,6 +18,10 @@
            (run.py --jit-warmup --audit): after the warmup, the served requests (chunked
            prefill, decode, mixed batches, every compress ratio) must compile no Triton or
            TileLang kernel; rows kernel="zero_compile" with what compiled and the warmup time.
+7. reference  the fp32 torch reference of each agreement checkpoint (reference.py, on this
+           GPU in fp32 with TF32 off), plain and with the KV rows rounded as the fp8 record
+           does; rows kernel="e2e_vs_fp32_reference" per run and kernel="e2e_reference_check"
+           per model: the a100 mode no further from the reference than upstream's path.
 Writes benchmarks/results/<gpu>-<date>-e2e.json (rows: e2e, e2e_agreement, sm80_audit) and a
 chart. Engines of the agreement steps run side by side on the GPU (--parallel), the
 throughput ones alone.
@@ -127,6 +131,23 @@ def run_job(work: Path, name: str, mode: str, form: str, extra=()) -> Path | Non
     return out if rc == 0 and out.exists() else None
 
 
+def _ref_out(work: Path, name: str, kv_fp8: bool) -> Path:
+    return work / f"{name}-ref{'-kvfp8' if kv_fp8 else ''}.json"
+
+
+def run_reference(work: Path, name: str, kv_fp8: bool, lens=None) -> Path | None:
+    cfg, fmt = MODELS[name]
+    out = _ref_out(work, name, kv_fp8)
+    cmd = [sys.executable, str(HERE / "reference.py"), "--model", str(work / f"{name}-{fmt}"),
+           "--device", "cuda", "--out", str(out)]
+    if lens:
+        cmd += ["--lens", *map(str, lens)]
+    if kv_fp8:
+        cmd.append("--mimic-kv-fp8")
+    rc = sh(cmd, work / f"{out.stem}.log", timeout=RUN_TIMEOUT_S)
+    return out if rc == 0 and out.exists() else None
+
+
 def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=()) -> Path | None:
     cfg, fmt = MODELS[name]
     tag = f"{name}-{mode}-{task}-{'eager' if eager else 'graphs'}"
@@ -144,7 +165,7 @@ def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=())
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/deepinfer-e2e")
-    ap.add_argument("--steps", default="ckpt,agree,graphs,tput,nocompile")
+    ap.add_argument("--steps", default="ckpt,agree,graphs,tput,nocompile,reference")
     ap.add_argument("--parallel", type=int, default=3, help="agreement engines at once")
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer shapes")
     ap.add_argument("--sparse-routing", action="store_true",
@@ -173,6 +194,13 @@ def main() -> int:
     if "ckpt" in steps:
         make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()),
                          dense=not args.sparse_routing)
+    if "reference" in steps:  # one at a time, before the engines take the GPU's memory
+        lens = [7, 300, 1500, 5000] if args.quick else None
+        for name in AGREE_MODELS:
+            for kv_fp8 in (False, True):
+                if not _ref_out(work, name, kv_fp8).exists() and \
+                        not run_reference(work, name, kv_fp8, lens):
+                    print(f"  reference {name} kv_fp8={kv_fp8} failed", flush=True)
     # Jobs in priority order (a --deadline drops the tail): (model, mode, form), form one of
     # "eager", "graphs", "nocompile".
     jobs: list[tuple[str, str, str]] = []
@@ -237,6 +265,59 @@ def _meta(sample: dict) -> dict:
     return {k: sample.get(k) for k in ("gpu", "torch", "triton", "vllm", "commit")}
 
 
+def _restrict(run: dict, lens) -> dict:
+    """``run`` with only the prompts whose length is in ``lens`` (a reference that did not
+    cover every prompt is compared on the ones it did)."""
+    return dict(run, prompts=[p for p in run["prompts"] if p["prompt_len"] in lens])
+
+
+def reference_rows(work: Path, runs: dict) -> list[dict]:
+    """Each run against the fp32 reference, and per model the check the issue states: the
+    a100 mode is no further from the reference than upstream's path. The margin is the
+    spread of upstream's own runs (eager and CUDA graphs) against the same reference: two
+    runs of upstream differ by that much, so a difference within it is not a finding."""
+    rows = []
+    for name in AGREE_MODELS:
+        for kv_fp8 in (False, True):
+            f = _ref_out(work, name, kv_fp8)
+            if not f.exists():
+                continue
+            ref = json.load(open(f))
+            lens = {p["prompt_len"] for p in ref["prompts"]}
+            got = {}
+            for (n, mode, eager), r in runs.items():
+                if n != name or mode not in MODES:
+                    continue
+                p = compare.pair(_restrict(r, lens), ref)
+                got[(mode, eager)] = p
+                rows.append(dict(kernel="e2e_vs_fp32_reference", variant=mode,
+                                 shape=dict(model=name, cuda_graphs=not eager,
+                                            reference=ref["mode"], prompt_lens=sorted(lens)),
+                                 top1_agree=p["top1_agree"],
+                                 max_abs_dlogprob=p["max_abs_dlogprob"],
+                                 mean_abs_dlogprob=p["mean_abs_dlogprob"], detail=p))
+            a, up = got.get(("a100", True)), got.get(("upstream", True))
+            if not (a and up):
+                continue
+            up_g = got.get(("upstream", False))
+            margin = {k: abs(up[k] - up_g[k]) if up_g else 0.0
+                      for k in ("top1_agree", "max_abs_dlogprob", "mean_abs_dlogprob")}
+            ok = (a["top1_agree"] >= up["top1_agree"] - margin["top1_agree"]
+                  and a["max_abs_dlogprob"] <= up["max_abs_dlogprob"] + margin["max_abs_dlogprob"]
+                  and a["mean_abs_dlogprob"] <= up["mean_abs_dlogprob"]
+                  + margin["mean_abs_dlogprob"])
+            rows.append(dict(kernel="e2e_reference_check", variant="a100_vs_upstream",
+                             shape=dict(model=name, reference=ref["mode"],
+                                        prompt_lens=sorted(lens)),
+                             passed=ok, a100={k: a[k] for k in margin},
+                             upstream={k: up[k] for k in margin},
+                             upstream_graphs=None if not up_g else {k: up_g[k] for k in margin},
+                             margin=margin,
+                             rule="a100 no further from the reference than upstream (eager), "
+                                  "within the spread of upstream's eager and CUDA-graph runs"))
+    return rows
+
+
 def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
     runs = {j: json.load(open(p)) for j, p in outs if p}
     # Runs this invocation started that did not finish (failed, timed out or dropped by the
@@ -281,6 +362,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                 rows.append(dict(kernel="e2e_agreement", variant=f"{m}_eager_vs_graphs",
                                  shape=dict(model=name), top1_agree=p["top1_agree"],
                                  max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
+    rows += reference_rows(work, runs)
     for f in sorted(work.glob("*-a100-nocompile.json")):
         r = json.load(open(f))
         a = r["audit"]
@@ -323,6 +405,14 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                   f"{'PASS' if row['passed'] else 'FAIL'}, {len(row['serve_compiles'])} "
                   f"compile(s) while serving; JIT warmup {w.get('vllm_jit_warmup', 0):.1f}s "
                   f"of which ours {w.get('deepinfer_keys', 0):.1f}s")
+        elif row["kernel"] == "e2e_vs_fp32_reference":
+            print(f"  {row['shape']['model']} {row['shape']['reference']:22s} {row['variant']:9s}"
+                  f" graphs={row['shape']['cuda_graphs']!s:5s} top1 {row['top1_agree']:.4f} "
+                  f"max|dlp| {row['max_abs_dlogprob']:.4f} mean {row['mean_abs_dlogprob']:.4f}")
+        elif row["kernel"] == "e2e_reference_check":
+            print(f"  reference check {row['shape']['model']} {row['shape']['reference']}: "
+                  f"{'PASS' if row['passed'] else 'FAIL'} a100 {row['a100']} upstream "
+                  f"{row['upstream']} margin {row['margin']}")
         elif row["kernel"] == "e2e":
             print(f"  {row['variant']:9s} {row['shape']['phase']:8s} b{row['shape']['batch']:<3d} "
                   f"L{row['shape']['prompt_len']:<6d} "

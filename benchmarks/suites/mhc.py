@@ -33,7 +33,10 @@ the fp32 reference vllm.deepinfer.mhc.reference: largest difference over post, c
 next pre-mix; and over the bf16 layer input, ``*_input_err_ref``). ``bytes``: residual
 streams read and written, x read, layer input written (the post + pre's unavoidable
 traffic). ``--quick``: hidden 5120 only; ``BENCH_MHC_HIDDEN=4096,7168`` picks the hidden
-sizes (a full run takes about three times the quick one).
+sizes (a full run takes about three times the quick one), ``BENCH_MHC_T=6,12,16`` the token
+counts. Our side runs the Ampere geometry and tensor-core threshold (``DEEPINFER_MHC_TUNED=1``,
+off by default in the package until this suite has measured it); ``BENCH_MHC_TUNED=0`` times
+our side without them (then only V4's first layer differs from upstream).
 """
 from __future__ import annotations
 
@@ -80,8 +83,11 @@ class _Side:
 
     def __enter__(self):
         from vllm.deepinfer import routing
-        self.saved = {k: os.environ.get(k) for k in ("DEEPINFER_MHC", "DEEPINFER_ARCH")}
+        self.saved = {k: os.environ.get(k)
+                      for k in ("DEEPINFER_MHC", "DEEPINFER_ARCH", "DEEPINFER_MHC_TUNED")}
         os.environ["DEEPINFER_MHC"] = "1" if self.ours else "0"
+        os.environ["DEEPINFER_MHC_TUNED"] = (
+            os.environ.get("BENCH_MHC_TUNED", "1") if self.ours else "0")
         os.environ["DEEPINFER_ARCH"] = "sm80"
         routing.reset()
         if not self.deep_gemm:
@@ -160,9 +166,12 @@ def run(h: Harness) -> None:
     hidden = (5120,) if h.quick else HIDDEN
     if os.environ.get("BENCH_MHC_HIDDEN"):  # e.g. 4096,7168: split a long run in two
         hidden = tuple(int(v) for v in os.environ["BENCH_MHC_HIDDEN"].split(","))
+    tokens = TOKENS
+    if os.environ.get("BENCH_MHC_T"):
+        tokens = tuple(int(v) for v in os.environ["BENCH_MHC_T"].split(","))
     for hs in hidden:
         w = _weights(dev, hs, gen)
-        for t in TOKENS:
+        for t in tokens:
             per = 2 * t * HC * hs * 2 + t * hs * 2 * 2
             ring = h.copies(lambda: _inputs(dev, t, hs, gen), per)
             x0 = ring[0]
