@@ -25,6 +25,13 @@ def _fake_run(tokens_by_mode: dict, started: list, delay: float = 0.0):
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text("{}")
             return 0
+        if "reference.py" in " ".join(map(str, cmd)):
+            out = Path(cmd[cmd.index("--out") + 1])
+            started.append((out.stem, False, False))
+            json.dump(dict(mode="fp32_reference", prompts=[dict(
+                prompt_len=3, prompt=[[5, -0.5, -1.0], [7, -0.4, -2.0]], generated=[])]),
+                open(out, "w"))
+            return 0
         mode = cmd[cmd.index("--mode") + 1]
         out = Path(cmd[cmd.index("--out") + 1])
         started.append((out.stem, "--kv-cache-gib" in cmd, "--audit" in cmd))
@@ -149,3 +156,15 @@ def test_reference_check_uses_upstreams_own_spread(tmp_path, a100_lp, passed):
     assert check["passed"] is passed
     assert {r["variant"] for r in rows if r["kernel"] == "e2e_vs_fp32_reference"} == {
         "upstream", "a100"}
+
+
+def test_reference_runs_beside_the_engines_and_lands_in_the_results(monkeypatch, tmp_path):
+    started: list = []
+    res = _main(monkeypatch, tmp_path, ["--steps", "ckpt,agree,reference", "--parallel", "1"],
+                _fake_run({}, started))
+    names = [s for s, _, _ in started]
+    assert names.index("v41-mini-ref") > names.index("v4-mini-upstream-agree-eager")
+    assert names.index("v41-mini-ref") < names.index("v41-mini-ref-kvfp8")
+    checks = [r for r in res["rows"] if r["kernel"] == "e2e_reference_check"]
+    assert {r["shape"]["reference"] for r in checks} == {"fp32_reference"}
+    assert len(checks) == 4 and all(r["passed"] for r in checks)

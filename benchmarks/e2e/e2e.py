@@ -113,6 +113,8 @@ def make_checkpoints(work: Path, names, dense: bool) -> None:
 
 
 def _out(work: Path, name: str, mode: str, form: str) -> Path:
+    if form.startswith("reference"):
+        return _ref_out(work, name, form.endswith("kvfp8"))
     if form == "nocompile":
         return work / f"{name}-{mode}-nocompile.json"
     return work / f"{name}-{mode}-agree-{form}.json"
@@ -121,6 +123,10 @@ def _out(work: Path, name: str, mode: str, form: str) -> Path:
 def run_job(work: Path, name: str, mode: str, form: str, extra=()) -> Path | None:
     """One agreement engine: form "eager", "graphs" (vLLM's defaults) or "nocompile" (eager
     with vLLM's JIT warmup on, and the audit of what compiles while serving)."""
+    if form.startswith("reference"):
+        lens = [int(v) for v in extra[extra.index("--lens") + 1:][:4]] if "--lens" in extra \
+            else None
+        return run_reference(work, name, form.endswith("kvfp8"), lens)
     if form != "nocompile":
         return run_mode(work, name, mode, "agree", form == "eager", extra)
     cfg, fmt = MODELS[name]
@@ -194,18 +200,15 @@ def main() -> int:
     if "ckpt" in steps:
         make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()),
                          dense=not args.sparse_routing)
-    if "reference" in steps:  # one at a time, before the engines take the GPU's memory
-        lens = [7, 300, 1500, 5000] if args.quick else None
-        for name in AGREE_MODELS:
-            for kv_fp8 in (False, True):
-                if not _ref_out(work, name, kv_fp8).exists() and \
-                        not run_reference(work, name, kv_fp8, lens):
-                    print(f"  reference {name} kv_fp8={kv_fp8} failed", flush=True)
     # Jobs in priority order (a --deadline drops the tail): (model, mode, form), form one of
     # "eager", "graphs", "nocompile".
     jobs: list[tuple[str, str, str]] = []
     if "agree" in steps:
         jobs += [(n, m, "eager") for n in AGREE_MODELS for m in MODES]
+    # The fp32 reference runs beside the engines (a few GiB of the GPU's memory; the agreement
+    # engines have a fixed KV cache).
+    if "reference" in steps:
+        jobs += [(n, "fp32", "reference") for n in AGREE_MODELS]
     if "graphs" in steps:
         jobs += [(n, m, "graphs") for n in AGREE_MODELS for m in ("a100", "upstream")]
     if "yoco" in steps:
@@ -213,6 +216,8 @@ def main() -> int:
                  for m in ("a100", "sm90", "a100_noyoco", "sm90_noyoco", "a100_rerun")]
     if "nocompile" in steps:
         jobs += [(n, "a100", "nocompile") for n in AGREE_MODELS]
+    if "reference" in steps:
+        jobs += [(n, "fp32", "reference_kvfp8") for n in AGREE_MODELS]
     if "graphs" in steps:
         jobs += [(n, "sm90", "graphs") for n in AGREE_MODELS]
     jobs = [j for i, j in enumerate(jobs) if j not in jobs[:i] and not _out(work, *j).exists()]
