@@ -59,7 +59,7 @@ prefill chunk:
                       gather_len = q_len + min(ctx, window - 1)) into the bf16 workspace.
 ``combine``           ours ``topk_swa.combine_topk_swa_indices`` (width round_up(topk+W, 128)).
 ``prefill_attn``      ``prefill_impl="upstream"`` (what vLLM runs with the sparse_mla_prefill
-                      feature off, its default): upstream's bf16
+                      feature off, its default from 9.0): upstream's bf16
                       ``_rocm_sparse_attn_prefill_triton``: dense -> ragged
                       (``_count_valid_row_entries_kernel`` + cumsum +
                       ``_compact_dense_row_to_ragged_kernel``) then

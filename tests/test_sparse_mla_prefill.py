@@ -40,8 +40,8 @@ TOL_ABS, TOL_REL = 1e-3, 1e-2
 # tile, 1.006-1.009 for the sm90 tile at 640-key lists and 1.02-1.03 at the 48-key lists
 # tested on CPU.
 ACCURACY_SLACK = 1.05
-# The two code paths: the sm80 tile (dims split across 4 warps) and the sm90 tile (plain
-# form, 64 heads per program).
+# The two shipped tiles: sm80 (16 heads, plain form on 2 warps) and sm90 (64 heads per
+# program, 8 warps); test_forms_with_growing_maxima also runs the split_d forms.
 VARIANTS = ["sm80", "sm90"]
 SCALE = 1.0 / math.sqrt(D)
 
@@ -330,20 +330,25 @@ def test_upstream_meets_the_bound_and_ours_is_as_accurate(upstream, monkeypatch,
 
 
 # ----------------------------------------------------------------------------- routing
-def test_feature_is_off_by_default_and_routes_when_on(monkeypatch, device):
-    # Off on every variant until measured (envs.FEATURES' comment).
+def test_feature_is_on_for_ampere_and_routes(monkeypatch, device):
+    # On for sm80, sm86 and the interpreter, off elsewhere (envs.FEATURES' comment: the H200
+    # sweep of the sm80 tile); =0 and DEEPINFER_DISABLE turn it off.
+    from vllm.deepinfer import arch
     monkeypatch.delenv("DEEPINFER_SPARSE_MLA_PREFILL", raising=False)
-    assert envs.FEATURES["sparse_mla_prefill"].default_on == frozenset()
-    assert not any(envs.enabled("sparse_mla_prefill", v)
-                   for v in ("sm80", "sm86", "sm89", "sm90", "sm100", "cpu"))
+    monkeypatch.delenv("DEEPINFER_DISABLE", raising=False)
+    assert envs.FEATURES["sparse_mla_prefill"].default_on == {"sm80", "sm86", "cpu"}
+    assert [v for v in ("sm80", "sm86", "sm89", "sm90", "sm100", "cpu")
+            if envs.enabled("sparse_mla_prefill", v)] == ["sm80", "sm86", "cpu"]
     q, kv, idx, sink = make(12, tokens=2, heads=16, rows=30, width=16, device=device)
     lens = torch.tensor([16, 3], dtype=torch.int32, device=device)
     out = torch.full_like(q, 3.0)
     args = (q, kv.unsqueeze(1), idx, lens, SCALE, D, NOPE, ROPE, sink, out)
     routing.reset()
     try:
-        assert routing.sparse_attn_prefill(*args) is False          # default: upstream
-        assert (out == 3.0).all()
+        default_on = arch.current().name in {"sm80", "sm86", "cpu"}
+        assert routing.sparse_attn_prefill(*args) is default_on
+        if not default_on:
+            assert (out == 3.0).all()                                # upstream's turn
         monkeypatch.setenv("DEEPINFER_SPARSE_MLA_PREFILL", "1")
         routing.reset()
         assert routing.sparse_attn_prefill(*args) is True
@@ -360,8 +365,13 @@ def test_feature_is_off_by_default_and_routes_when_on(monkeypatch, device):
         monkeypatch.setenv("DEEPINFER_SPARSE_MLA_PREFILL", "0")
         routing.reset()
         assert routing.sparse_attn_prefill(*args) is False
+        monkeypatch.delenv("DEEPINFER_SPARSE_MLA_PREFILL")
+        monkeypatch.setenv("DEEPINFER_DISABLE", "sparse_mla_prefill")
+        routing.reset()
+        assert routing.sparse_attn_prefill(*args) is False
     finally:
         monkeypatch.delenv("DEEPINFER_SPARSE_MLA_PREFILL", raising=False)
+        monkeypatch.delenv("DEEPINFER_DISABLE", raising=False)
         routing.reset()
 
 

@@ -436,9 +436,10 @@ def test_ampere_forward_decode(forward, model, layer, ratio):
 @pytest.mark.parametrize("model,layer,ratio", FORWARD_LAYERS)
 def test_ampere_forward_prefill(forward, model, layer, ratio):
     """forward_mqa's prefill with upstream's real SWA metadata (chunk plan), our gather and
-    combiner, upstream's bf16 prefill kernel, the inverse RoPE: plain torch within
-    tolerance."""
+    combiner, upstream's bf16 prefill kernel (DEEPINFER_SPARSE_MLA_PREFILL=0: ours never
+    ran), the inverse RoPE: plain torch within tolerance."""
     v = _value(forward, f"forward/{model}/prefill_layer{layer}")
+    assert v["calls"]["upstream"] >= 1 and v["calls"]["ours"] == 0, v["calls"]
     assert v["ratio"] == ratio and v["finite"] is True and v["ref_max"] > 0.1
     assert v["max_abs_err"] <= FORWARD_TOL * max(1.0, v["ref_max"]), v
 
@@ -541,8 +542,8 @@ def test_has_cutedsl_gated_below_8_9(writers):
 def test_deepinfer_kernels_register_with_vllm_jit_warmup(writers):
     got = _value(writers, "writers.warmup")
     assert got["registered"] is True and got["entries"] == 1  # two layers, one registration
-    # Ours, and upstream's ragged conversion (serve_warmup; the probe's model has no
-    # candidate blocks).
+    # Ours (prefill: on by default on sm80), and upstream's ragged conversion (serve_warmup;
+    # the probe's model has no candidate blocks).
     assert got["kernels"] == ["compact_rows", "count_valid_rows", "decode", "decode_reduce",
-                              "indexer_logits", "kv_gather", "topk_swa"]
+                              "indexer_logits", "kv_gather", "prefill", "topk_swa"]
     assert got["keys"] > 0

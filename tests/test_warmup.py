@@ -92,8 +92,8 @@ def test_indexer_logits_keys(variant):
     assert wu.keys(swa_only, variant, features=["indexer_logits"]) == []
 
 
-@pytest.mark.parametrize("variant,heads", [("sm80", 64), ("sm90", 64), ("sm90", 128),
-                                           ("sm90", 16)])
+@pytest.mark.parametrize("variant,heads", [("sm80", 64), ("sm86", 64), ("sm90", 64),
+                                           ("sm90", 128), ("sm90", 16)])
 def test_prefill_key_is_the_launchers_configuration(variant, heads):
     shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=heads)
     (key,) = wu.keys(shapes, variant, features=["sparse_mla_prefill"])
@@ -103,8 +103,9 @@ def test_prefill_key_is_the_launchers_configuration(variant, heads):
     assert c["DENSE"] and c["HAS_SINK"] and c["ALIGNED"] and not c["DOT_FP32"]
     assert (c["BLOCK_N"], c["SPLIT_D"], c["OUT_D"]) == (tile.block_n, tile.split_d, 512)
     assert (key.num_warps, key.num_stages) == (tile.num_warps, tile.num_stages)
-    # Off by default until measured: the default key list leaves it out.
-    assert all(k.kernel != "prefill" for k in wu.keys(shapes, variant))
+    # On by default below 9.0 (sm80, sm86): the default key list holds this key; off on sm90.
+    default = [k for k in wu.keys(shapes, variant) if k.kernel == "prefill"]
+    assert default == ([key] if variant in ("sm80", "sm86") else [])
 
 
 def test_env_switch_drops_a_feature(monkeypatch):

@@ -28,6 +28,7 @@ from vllm.deepinfer.kernels import indexer_logits as il
 from vllm.deepinfer.kernels import kv_gather as kg
 from vllm.deepinfer.kernels import shapes as sh
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
+from vllm.deepinfer.kernels import sparse_mla_prefill as spm
 from vllm.deepinfer.kernels import topk_swa as ts
 from vllm.deepinfer.kv_record import new_cache
 
@@ -178,6 +179,41 @@ def test_prefill_gather_and_combine_launches_are_warmed(variant, gpu_like):
                 call()
         names = {k.fn.__name__ for k, _ in seen}
         assert names == {"_gather_kernel", "_combine_kernel"}
+        assert not _uncovered(seen, warm), "\n".join(_uncovered(seen, warm))
+
+
+def _attention_calls(shapes, variant):
+    """The Ampere classes' prefill attention call (attention/common.py, through patch 0003's
+    route): q and output rows [qs, qe) of the step's tensors, the chunk's workspace as
+    [rows, 1, 512] with an odd row count, the combiner's [T, width] rows and lengths, the
+    sink; every combined width the model's layers produce."""
+    heads = shapes.heads
+    q = _zeros((77, heads, 512), torch.bfloat16)
+    out = _zeros((77, heads, 512), torch.bfloat16)
+    sink = _zeros((heads,), torch.float32)
+    for ratio in shapes.compress_ratios:
+        tops = [0] if shapes.swa_only(ratio) else (
+            [shapes.topk] if ratio < 128 else
+            sorted({min(w, shapes.c128a_topk) for w in (128, 256, 1024, 8192)}))
+        for top in tops:
+            width = ts.combined_width(top, shapes.window)
+            for qs, qe, rows in ((0, 1, 129), (3, 40, 1001), (5, 77, 7777)):
+                idx, lens = _zeros((qe - qs, width)), _zeros((qe - qs,))
+                kv = _zeros((rows, 1, 512), torch.bfloat16)
+                yield lambda qs=qs, qe=qe, idx=idx, lens=lens, kv=kv: spm.sparse_attn_prefill(
+                    q[qs:qe], kv, 0.04, sink, 448, 64, indices=idx, topk_length=lens,
+                    out=out[qs:qe], variant=variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_attention_launches_are_warmed(variant, gpu_like):
+    for shapes in _models(variant, tps=(1, 2, 4, 8)):
+        warm = _warm_keys(shapes, variant)
+        with recording(CC[variant]) as seen:
+            gpu_like(108)
+            for call in _attention_calls(shapes, variant):
+                call()
+        assert {k.fn.__name__ for k, _ in seen} == {"_sparse_mla_prefill_kernel"}
         assert not _uncovered(seen, warm), "\n".join(_uncovered(seen, warm))
 
 

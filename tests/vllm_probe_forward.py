@@ -8,8 +8,9 @@ output must equal, byte for byte, our decode kernel called directly on ragged in
 built here: the class's glue (upstream's top-k translation and dense -> ragged helpers,
 patch 0003, scale, sink, the inverse RoPE applied once) hands the kernel what it should.
 Prefill: upstream's real ``DeepseekSparseSWAMetadata`` (its chunk plan), our gather and
-combiner, upstream's bf16 prefill kernel, the standalone inverse RoPE; then the same with
-DEEPINFER_SPARSE_MLA_PREFILL=1, where patch 0003 routes the prefill to our kernel.
+combiner, upstream's bf16 prefill kernel (DEEPINFER_SPARSE_MLA_PREFILL=0: the feature is on
+by default on sm80), the standalone inverse RoPE; then the same with =1, where patch 0003
+routes the prefill to our kernel.
 
 Imported only inside the probe process (it imports vLLM); ``run`` sets the interpreter up.
 """
@@ -276,10 +277,9 @@ def prefill(probe: Probe, model: str, i: int) -> dict:
     return st.errors(q, out)
 
 
-def prefill_ours(probe: Probe, model: str, i: int) -> dict:
-    """``prefill`` with DEEPINFER_SPARSE_MLA_PREFILL=1: patch 0003 hands upstream's
-    rocm_sparse_attn_prefill call to our kernel (counted), upstream's ragged launcher never
-    runs."""
+def _prefill_switched(probe: Probe, model: str, i: int, switch: str) -> dict:
+    """``prefill`` with DEEPINFER_SPARSE_MLA_PREFILL=``switch``, counting the calls of our
+    kernel and of upstream's ragged launcher (both of upstream's prefill paths reach it)."""
     from vllm.deepinfer import routing
     from vllm.deepinfer.kernels import sparse_mla_prefill as spm
     from vllm.v1.attention.ops import rocm_aiter_mla_sparse as ras
@@ -291,7 +291,7 @@ def prefill_ours(probe: Probe, model: str, i: int) -> dict:
             calls[name] += 1
             return fn(*a, **k)
         return wrapped
-    os.environ["DEEPINFER_SPARSE_MLA_PREFILL"] = "1"
+    os.environ["DEEPINFER_SPARSE_MLA_PREFILL"] = switch
     routing.reset()
     spm.sparse_attn_prefill = count("ours", ours)
     ras._rocm_sparse_attn_prefill_ragged_triton = count("upstream", theirs)
@@ -304,6 +304,19 @@ def prefill_ours(probe: Probe, model: str, i: int) -> dict:
     return {**res, "calls": calls}
 
 
+def prefill_upstream(probe: Probe, model: str, i: int) -> dict:
+    """``prefill`` with DEEPINFER_SPARSE_MLA_PREFILL=0 (the feature is on by default on
+    sm80): upstream's bf16 prefill kernel runs, ours never."""
+    return _prefill_switched(probe, model, i, "0")
+
+
+def prefill_ours(probe: Probe, model: str, i: int) -> dict:
+    """``prefill`` with DEEPINFER_SPARSE_MLA_PREFILL=1: patch 0003 hands upstream's
+    rocm_sparse_attn_prefill call to our kernel (counted), upstream's ragged launcher never
+    runs."""
+    return _prefill_switched(probe, model, i, "1")
+
+
 def run(record) -> None:
     """The scenario: every layer of both models, decode then prefill (upstream's prefill
     kernel, then ours through patch 0003)."""
@@ -313,5 +326,5 @@ def run(record) -> None:
     for model, ids in MODELS.items():
         for i in ids:
             record(f"forward/{model}/decode_layer{i}", decode, probe, model, i)
-            record(f"forward/{model}/prefill_layer{i}", prefill, probe, model, i)
+            record(f"forward/{model}/prefill_layer{i}", prefill_upstream, probe, model, i)
             record(f"forward/{model}/prefill_ours_layer{i}", prefill_ours, probe, model, i)

@@ -11,8 +11,8 @@ and prefill 1024 after 3072. Variants: ``sm80`` (software e4m3: what an A100 run
 Hopper) and ``sm90``, passed to every kernel that takes ``variant=``; upstream kernels and the
 torch stand-ins are the same code in both. Prefill chunks run twice per variant: with
 upstream's bf16 prefill kernel in the ``prefill_attn`` stage (``prefill_impl`` "upstream", the
-sparse_mla_prefill feature off: its default) and with ours (``prefill_impl`` "ours"); decode
-steps once.
+sparse_mla_prefill feature off: its default from 9.0) and with ours (``prefill_impl`` "ours",
+its default on sm80/sm86); decode steps once.
 
 Rows: kernel ``one_layer``, one per stage plus ``stage="total"``. ``ours_us``: GPU time of the
 stage (``Harness.time_graph`` with one input set: the stage captured in a CUDA graph, replays

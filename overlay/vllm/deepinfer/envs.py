@@ -45,10 +45,15 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # sm86, cpu) decode in two phases (kernels/sparse_mla_decode.py, Tile.predequant).
     Feature("decode_predequant", frozenset(),
             "sparse MLA decode on Ampere: dequantize each key once per token, then attend"),
-    # Off on every variant until the sparse_mla_prefill benchmark suite has timed it beside
-    # upstream's kernel on a GPU (docs/sparse-mla-prefill.md); then on below capability 9.0
-    # (and on sm90 if its tile meets its goal). DEEPINFER_SPARSE_MLA_PREFILL=1 turns it on.
-    Feature("sparse_mla_prefill", frozenset(),
+    # On for the Ampere variants: benchmarks/results/h200-2026-12-01-sweep-prefill-4ab26c8.json
+    # timed the sm80 tile (2 warps, plain form) at 1.15-1.17x upstream's
+    # _sparse_attn_prefill_ragged_kernel (1654 vs 1909 us at T=2048 / 64 heads, 3245 vs 3774
+    # at 128 heads, 5181 vs 6067 at T=512 / top-k 8192) -- H200 timings of the sm_80-targeted
+    # tile, built by Triton for sm_90; no Ampere GPU has run it (docs/sparse-mla-prefill.md).
+    # Off on sm89/sm100 (the tile is unmeasured on those GPUs) and sm90 (upstream's Hopper
+    # classes do not call this prefill; =1 with DEEPINFER_AMPERE_ATTN=1 runs it there).
+    # DEEPINFER_SPARSE_MLA_PREFILL=0 keeps upstream's kernel.
+    Feature("sparse_mla_prefill", _AMPERE,
             "sparse MLA prefill over the gathered bf16 keys (rocm_sparse_attn_prefill)"),
     # Below capability 9.0 no upstream DeepSeek-V4.1/V4 attention class can run (FlashMLA
     # sparse needs 9.x/10.x, FlashInfer sparse 10.x/12.x), hence on for sm89 too.

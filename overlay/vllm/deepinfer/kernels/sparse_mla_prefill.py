@@ -14,10 +14,10 @@ What differs from upstream:
   serves all of them (upstream: 16 heads per program on mma.sync, each 64-head token reading
   every key row four times). The programs of one token are adjacent in the grid, so the head
   tiles of a 128-head token share key rows through L2.
-* sm80/sm86: 16 heads per program (the 48 KiB budget), with the 512 dims split across the 4
-  warps (``Tile.split_d``): each warp multiplies only its slice of Q and of the key tile, so
-  no warp repeats another's QK^T mma and Q is read from shared memory once per tile, not
-  once per warp.
+* sm80/sm86: 16 heads per program (the 48 KiB budget) on 2 warps, so the 16 x 16 score
+  tile is exactly the two warps' n8 columns and no warp repeats another's QK^T mma
+  (upstream's 4 warps compute it twice). ``Tile.split_d`` (the 512 dims split across the
+  warps) is the other form; the H200 sweep put the 2-warp plain form ahead (``TILES``).
 * Dense indices are read as they are: row t's keys are ``indices[t, :lens[t]]`` (entries < 0
   or >= rows skipped), the same set upstream's dense -> ragged compaction keeps, without its
   two kernels and cumsum. Ragged (indices, indptr) is accepted too.
@@ -88,16 +88,31 @@ class Tile:
 
 
 # Tile table keyed by variant (docs/sparse-mla-prefill.md: compile-gate figures and why).
-# Not measured on any GPU yet: the sparse_mla_prefill suite and benchmarks/diag/
-# sweep_prefill.py time these beside upstream's kernel (the feature is off by default until
-# they have).
-# Ampere, 48 KiB per CTA. Q [16, 512] bf16 (16 KiB) stays in shared memory and the key tile
-# is stored once (16 KiB, Triton's cp.async pipeline); 32 heads or 32 keys would need a
-# second 16 KiB. With split_d 4 each of the 4 warps owns 128 of the 512 dims in both dots:
-# no warp reads another's slice of Q or K, so a key tile costs 24 ldmatrix per warp where
-# the plain form (each warp reading all of Q) costs 57, and no warp repeats another's QK^T
-# mma (the plain form's 16x16 score tile spans only 2 of its 4 warps' n8 columns).
-_AMPERE = Tile(block_h=16, block_n=16, num_warps=4, num_stages=2, split_d=4)
+# Ampere, 48 KiB per CTA: Q [16, 512] bf16 (16 KiB) stays in shared memory and the key tile
+# (16 KiB) is stored once (Triton's cp.async pipeline); 32 heads or 32 keys would need a
+# second 16 KiB. Chosen from benchmarks/results/h200-2026-12-01-sweep-prefill-4ab26c8.json.
+# Its timings are H200 timings of these sm_80-targeted tiles (Triton built them for sm_90,
+# the H200's target; no Ampere GPU has run them), x upstream's kernel at T=2048 / 64 heads,
+# T=2048 / 128 heads, T=512 / top-k 8192:
+#   plain, 2 warps, split_d 1 (this tile)   1.15 / 1.16 / 1.17x  (1654 / 3245 / 5181 us)
+#   split_d 2, 2 warps                      1.11 / 1.12 / 1.12x  (1723 / 3376 / 5419 us)
+#   plain, 4 warps                          0.99 / 1.00 / 0.98x
+#   split_d 4, 4 warps (previous tile)      0.80 / 0.81 / 0.82x
+# The same tile for sm80 and sm86. Its compile-gate figures: sm_80 255 registers and 8 bytes
+# of stack, sm_86 254 and none. The sm_80 stack is two values parked once per program (2 STL
+# before the key loop, 2 LDL after it), none inside the loop, and the timed sm_90 build of
+# the tile parks more (13 STL / 12 LDL, also outside the loop), so that spill is not a reason
+# to take split_d 2 (255 / 239 registers, no stack, 3-4% slower) on sm80. Caveats: 255
+# registers leaves sm_80 no headroom (re-run sweep_prefill.py --gate-only after a Triton
+# update); and on sm86 (100 KiB of shared memory per SM) 33 KiB per CTA fits 2 CTAs = 4
+# warps per SM, half the 8 the H200 run had, which no measurement covers yet.
+# Why 2 warps: the 16 x 16 score tile is exactly two warps' n8 columns, so no QK^T mma is
+# repeated; per key x 64 heads the sm_80 loop is 376 instructions, 32 HMMA, 32.5 ldmatrix
+# (4-warp plain: 497, 48, 57; split_d 4: 480, 32, 24, plus the cross-warp sum of the
+# partial scores through shared memory). tools/a100_model.py has no prefill workload; driven
+# by hand for these launches it misranks the sweep's tiles on the H200 (split_d forms off by
+# -62% to +38%), so no A100 prediction decided this (docs/sparse-mla-prefill.md).
+_AMPERE = Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, split_d=1)
 TILES: dict[str, Tile] = {
     "sm80": _AMPERE,
     "sm86": _AMPERE,
