@@ -141,7 +141,8 @@ def setup(device, seed, *, main_lens, extra_lens=None, main_bs=32, extra_bs=64, 
     return q, mc, mi, mp, sink, ex
 
 
-def run_both(q, mc, mi, mp, sink, ex, *, variant, splits, inv_rope=False, device="cpu"):
+def run_both(q, mc, mi, mp, sink, ex, *, variant, splits, inv_rope=False, device="cpu",
+             predequant=None):
     scale = 1.0 / math.sqrt(D)
     kw = {}
     pos = cs = None
@@ -150,10 +151,18 @@ def run_both(q, mc, mi, mp, sink, ex, *, variant, splits, inv_rope=False, device
         pos = torch.randint(0, 4096, (q.shape[0],), generator=torch.Generator().manual_seed(7)).to(device)
         kw = dict(inv_rope_positions=pos, inv_rope_cos_sin_cache=cs)
     ours = smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, **kw,
-                                  num_kv_splits=splits, variant=variant)
+                                  num_kv_splits=splits, variant=variant, predequant=predequant)
     ref = reference(q, mc, mi, mp, scale, sink, ex.get("extra_cache"), ex.get("extra_indices"),
                     ex.get("extra_indptr"), pos, cs, magnitude=True)
     return ours, ref
+
+
+@pytest.fixture(autouse=True)
+def _single_phase(monkeypatch):
+    """This module tests the single-phase path: sm80/cpu launches of PREDEQUANT_MIN_TOKENS
+    tokens or more would otherwise run in two phases (tests/test_sparse_mla_decode_predequant.py
+    tests those, and the selection)."""
+    monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "0")
 
 
 # ----------------------------------------------------------------------------- numerics

@@ -1,5 +1,6 @@
-"""The two-phase Ampere decode (Tile.predequant: rows "sm80-2p"/"sm86-2p"/"cpu-2p", or
-DEEPINFER_DECODE_PREDEQUANT=1 on the software-e4m3 variants).
+"""The two-phase Ampere decode (Tile.predequant: rows "sm80-2p"/"sm86-2p"/"cpu-2p", which
+sm80/sm86/cpu launches of PREDEQUANT_MIN_TOKENS tokens or more take unless
+DEEPINFER_DECODE_PREDEQUANT=0), and that selection.
 
 Phase 1 writes each token's keys once as bf16 rows; phase 2 is the same attention kernel
 reading them. Every key value is exact in bf16 (an e4m3 code times a power of two, or a bf16
@@ -37,7 +38,7 @@ def _pair(device, *args, splits, inv_rope=False, **kw):
     two, ref = run_both(q, mc, mi, mp, sink, ex, variant="sm80-2p", splits=splits,
                         inv_rope=inv_rope, device=device)
     one, _ = run_both(q, mc, mi, mp, sink, ex, variant="sm80", splits=splits,
-                      inv_rope=inv_rope, device=device)
+                      inv_rope=inv_rope, device=device, predequant=False)
     return two, one, ref
 
 
@@ -75,7 +76,8 @@ def test_odd_pages_extreme_slots_nan_and_empty_rows(device):
     for splits in (1, 2):
         two, ref = run_both(q, mc, mi, mp, sink, ex, variant="sm80-2p", splits=splits,
                             device=device)
-        one, _ = run_both(q, mc, mi, mp, sink, ex, variant="sm80", splits=splits, device=device)
+        one, _ = run_both(q, mc, mi, mp, sink, ex, variant="sm80", splits=splits, device=device,
+                          predequant=False)
         assert_close(two, ref)
         assert same(two, one)
         assert torch.equal(two[2].float().cpu(), torch.zeros_like(two[2].float().cpu()))
@@ -106,12 +108,55 @@ def test_phase_one_rows_and_validity(device):
         assert torch.equal(ws[r].float().cpu(), want[0].float().cpu()), r
 
 
-def test_switch_selects_the_two_phase_path(device, monkeypatch):
-    """DEEPINFER_DECODE_PREDEQUANT=1 routes the software-e4m3 variants through phase 1 (the
-    workspace kernel runs), is off by default, and leaves the hardware-e4m3 variants alone."""
-    assert "decode_predequant" in envs.FEATURES
-    assert not envs.FEATURES["decode_predequant"].default_on
-    q, mc, mi, mp, sink, ex = setup(device, 8, main_lens=[25, 40], extra_lens=[20, 10])
+def test_default_is_on_for_the_software_e4m3_variants():
+    assert envs.FEATURES["decode_predequant"].default_on == frozenset({"sm80", "sm86", "cpu"})
+    assert smd.PREDEQUANT_MIN_TOKENS == 4  # benchmarks/results/h200-2026-12-01-*.json
+
+
+@pytest.mark.parametrize("variant", ["sm80", "sm86", "cpu"])
+def test_selection_follows_the_threshold_and_the_switch(variant, monkeypatch):
+    """Below PREDEQUANT_MIN_TOKENS the variant's own (single-phase) row, from it the "-2p"
+    row; DEEPINFER_DECODE_PREDEQUANT=0 or DEEPINFER_DISABLE: single phase at every batch
+    (=1 changes nothing: the feature is on there already); ``predequant=`` forces either; a
+    named "-2p" row is always two-phase; hardware-e4m3 variants never are."""
+    n = smd.PREDEQUANT_MIN_TOKENS
+    two = f"{variant}-2p"
+    for env in ({}, {"DEEPINFER_DECODE_PREDEQUANT": "1"}):
+        for k, val in env.items():
+            monkeypatch.setenv(k, val)
+        assert [smd.select_tile(variant, t) for t in (1, n - 1, n, n + 1, 512)] == \
+            [variant, variant, two, two, two]
+        assert smd.launch_tiles(variant) == (variant, two)
+    for k, val in (("DEEPINFER_DECODE_PREDEQUANT", "0"),
+                   ("DEEPINFER_DISABLE", "decode_predequant")):
+        monkeypatch.delenv("DEEPINFER_DECODE_PREDEQUANT", raising=False)
+        monkeypatch.setenv(k, val)
+        assert {smd.select_tile(variant, t) for t in (1, n, 512)} == {variant}
+        assert smd.launch_tiles(variant) == (variant,)
+        assert smd.select_tile(variant, 1, predequant=True) == two   # forced
+        assert smd.select_tile(two, 1) == two                        # named
+        monkeypatch.delenv(k)
+    assert smd.select_tile(variant, 512, predequant=False) == variant
+    assert smd.select_tile(two, 1, predequant=True) == two
+    with pytest.raises(ValueError, match="predequant"):
+        smd.select_tile(two, 512, predequant=False)
+    for hw in ("sm89", "sm90", "sm100"):
+        assert smd.select_tile(hw, 512) == hw and smd.launch_tiles(hw) == (hw,)
+        with pytest.raises(ValueError, match="predequant"):
+            smd.select_tile(hw, 512, predequant=True)
+    monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "maybe")
+    with pytest.raises(envs.EnvError, match="DEEPINFER_DECODE_PREDEQUANT"):
+        smd.select_tile(variant, n)
+
+
+def test_launch_runs_phase_one_from_the_threshold(device, monkeypatch):
+    """The launcher follows select_tile: the workspace kernel runs for a batch of
+    PREDEQUANT_MIN_TOKENS tokens and not for one token less, nor with the switch off; the
+    output is the single-phase one either way."""
+    n = smd.PREDEQUANT_MIN_TOKENS
+    q, mc, mi, mp, sink, ex = setup(device, 8, main_lens=[25, 40, 3, 17],
+                                    extra_lens=[20, 10, 0, 33])
+    assert q.shape[0] == n
     scale = 1.0 / math.sqrt(D)
     calls = []
     real = smd._predequant_kernel
@@ -122,21 +167,23 @@ def test_switch_selects_the_two_phase_path(device, monkeypatch):
             return real[grid]
 
     monkeypatch.setattr(smd, "_predequant_kernel", Spy())
-    base = smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80")
+
+    def run(tokens, **kw):
+        sub = dict(extra_cache=ex["extra_cache"], extra_indices=ex["extra_indices"],
+                   extra_indptr=ex["extra_indptr"][:tokens + 1])
+        return smd.sparse_attn_decode(q[:tokens], mc, mi, mp[:tokens + 1], scale, sink, NOPE,
+                                      ROPE, **sub, variant="sm80", **kw)
+    one = run(n, predequant=False)
     assert calls == []
-    monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "1")
-    on = smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80")
-    assert len(calls) == 1 and same(on, base)
-    monkeypatch.setenv("DEEPINFER_DISABLE", "decode_predequant")
-    smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80")
-    assert len(calls) == 1   # DEEPINFER_DISABLE wins over the switch
-    monkeypatch.delenv("DEEPINFER_DISABLE")
+    two = run(n)
+    assert len(calls) == 1 and calls[0][1] == n and same(two, one)
+    run(n - 1)
+    assert len(calls) == 1
     monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "0")
+    off = run(n)
+    assert len(calls) == 1 and torch.equal(off, one)
     smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80-2p")
     assert len(calls) == 2   # the tile row asks for it explicitly
-    monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "maybe")
-    with pytest.raises(envs.EnvError, match="DEEPINFER_DECODE_PREDEQUANT"):
-        smd.sparse_attn_decode(q, mc, mi, mp, scale, sink, NOPE, ROPE, **ex, variant="sm80")
 
 
 def test_unknown_two_phase_row_is_refused(device):

@@ -542,8 +542,9 @@ def test_has_cutedsl_gated_below_8_9(writers):
 def test_deepinfer_kernels_register_with_vllm_jit_warmup(writers):
     got = _value(writers, "writers.warmup")
     assert got["registered"] is True and got["entries"] == 1  # two layers, one registration
-    # Ours (prefill: on by default on sm80), and upstream's ragged conversion (serve_warmup;
-    # the probe's model has no candidate blocks).
-    assert got["kernels"] == ["compact_rows", "count_valid_rows", "decode", "decode_reduce",
-                              "indexer_logits", "kv_gather", "prefill", "topk_swa"]
+    # Ours (on sm80: prefill, and the two-phase decode's first phase), and upstream's ragged
+    # conversion (serve_warmup; the probe's model has no candidate blocks).
+    assert got["kernels"] == ["compact_rows", "count_valid_rows", "decode", "decode_predequant",
+                              "decode_reduce", "indexer_logits", "kv_gather", "prefill",
+                              "topk_swa"]
     assert got["keys"] > 0

@@ -60,6 +60,36 @@ def test_keys_are_the_launchers_configurations(variant):
     assert any(k.kernel == "decode_reduce" for k in got)
 
 
+def test_decode_keys_cover_both_phases_where_predequant_is_on(monkeypatch):
+    """sm80 (decode_predequant on by default): the single-phase tile of small batches and the
+    two-phase tile of batches from PREDEQUANT_MIN_TOKENS with its first phase, per cache
+    geometry; DEEPINFER_DECODE_PREDEQUANT=0 and the hardware-e4m3 sm90 keep the first only."""
+    shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
+
+    def decode_keys(variant):
+        got = wu.keys(shapes, variant, features=["sparse_mla_decode"])
+        assert len(got) == len(set(got))
+        return got
+    got = decode_keys("sm80")
+    one, two = smd.TILES["sm80"], smd.TILES["sm80-2p"]
+    attn = {(dict(k.constexprs)["PREDEQUANT"], k.num_stages) for k in got if k.kernel == "decode"}
+    assert attn == {(False, one.num_stages), (True, two.num_stages)}
+    first = [dict(k.constexprs) for k in got if k.kernel == "decode_predequant"]
+    assert {c["HAS_EXTRA"] for c in first} == {False, True}
+    assert all(c["DECODE"] == smd.PREDEQUANT_DECODES[two.predequant_decode]
+               and c["BLOCK_N"] == smd.PREDEQUANT_BLOCK_N and not c["HW_FP8"] for c in first)
+    # Two-phase attention launches read the workspace: no stand-in for ws/valid.
+    assert all("valid_ptr" not in dict(k.ptrs) for k in got
+               if k.kernel == "decode" and dict(k.constexprs)["PREDEQUANT"])
+    monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", "0")
+    off = decode_keys("sm80")
+    assert off == [k for k in got if k.kernel != "decode_predequant"
+                   and not dict(k.constexprs).get("PREDEQUANT")]
+    monkeypatch.delenv("DEEPINFER_DECODE_PREDEQUANT")
+    assert all(k.kernel != "decode_predequant" and not dict(k.constexprs).get("PREDEQUANT")
+               for k in decode_keys("sm90"))
+
+
 def test_v4_decode_uses_v4_pages():
     """V4's SWA pages hold 64 tokens and its compressed pages 256 // ratio entries (C4A 64,
     C128A 2): its decode keys carry those, not V4.1's 32 / 128."""

@@ -89,7 +89,9 @@ def _decode_calls(shapes, variant):
     # Odd block counts: the row counts the kernel bounds-checks against are not multiples of 16.
     swa = new_cache(101, swa_bs)
     cs = torch.zeros(4096, 64)  # fp32 cos | sin (upstream's V4 rotary cache)
-    for ratio, tokens in itertools.product(shapes.compress_ratios, (1, 3, 64)):
+    # Both sides of the two-phase threshold (sm80: single phase below it, two phases from it).
+    batches = (1, 3, smd.PREDEQUANT_MIN_TOKENS, 64)
+    for ratio, tokens in itertools.product(shapes.compress_ratios, batches):
         q = _zeros((tokens, heads, 512), torch.bfloat16)
         mi = _zeros((tokens * shapes.window,))
         mp = torch.arange(tokens + 1, **I32) * shapes.window
@@ -105,18 +107,36 @@ def _decode_calls(shapes, variant):
             inv_rope_cos_sin_cache=cs, variant=variant)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_launches_are_warmed(variant, gpu_like):
+@pytest.mark.parametrize("variant,switch", [("sm80", None), ("sm80", "0"), ("sm90", None)])
+def test_decode_launches_are_warmed(variant, switch, gpu_like, monkeypatch):
+    """sm80 by default: single-phase launches below PREDEQUANT_MIN_TOKENS tokens, two-phase
+    ones (the "-2p" tile and its first phase) from it, both warmed;
+    DEEPINFER_DECODE_PREDEQUANT=0: single phase at every batch, and the warmup drops the
+    two-phase keys. sm90: single phase only."""
+    if switch is not None:
+        monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", switch)
+    rows = set()
+    select = smd.select_tile
+
+    def spy(*a, **kw):
+        row = select(*a, **kw)
+        rows.add(row)
+        return row
+    monkeypatch.setattr(smd, "select_tile", spy)
+    two_phase = variant == "sm80" and switch is None
     for shapes in _models(variant, tps=(1, 2, 4, 8)):
         warm = _warm_keys(shapes, variant)
+        assert ("_predequant_kernel" in warm) == two_phase
         with recording(CC[variant]) as seen:
             for sms in SM_COUNTS:
                 gpu_like(sms)
                 for call in _decode_calls(shapes, variant):
                     call()
         names = {k.fn.__name__ for k, _ in seen}
-        assert names == {"_sparse_mla_decode_kernel", "_sparse_mla_decode_reduce_kernel"}
+        assert names == {"_sparse_mla_decode_kernel", "_sparse_mla_decode_reduce_kernel"} | (
+            {"_predequant_kernel"} if two_phase else set())
         assert not _uncovered(seen, warm), "\n".join(_uncovered(seen, warm))
+    assert rows == ({variant, f"{variant}-2p"} if two_phase else {variant})
 
 
 # ----------------------------------------------------------------------------- prefill

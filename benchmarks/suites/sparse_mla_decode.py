@@ -89,10 +89,13 @@ def reference(x: dict) -> torch.Tensor:
 
 
 def ours(x: dict, variant: str, out=None, num_kv_splits=None) -> torch.Tensor:
+    # Each row times the tile it names: "sm80" the single-phase path at every batch (by
+    # default sm80 launches of smd.PREDEQUANT_MIN_TOKENS tokens or more run as "sm80-2p").
     return smd.sparse_attn_decode(
         x["q"], x["main_cache"], x["main_indices"], x["main_indptr"], x["scale"], x["attn_sink"],
         NOPE_DIM, ROPE_DIM, x["extra_cache"], x["extra_indices"], x["extra_indptr"], out=out,
-        num_kv_splits=num_kv_splits, variant=variant)
+        num_kv_splits=num_kv_splits, variant=variant,
+        predequant=smd.TILES[variant].predequant)
 
 
 def upstream(x: dict, out: torch.Tensor) -> torch.Tensor:

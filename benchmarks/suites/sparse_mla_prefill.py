@@ -200,9 +200,11 @@ def records_case(x: dict) -> dict:
 
 
 def records_attn(r: dict, variant: str, out) -> torch.Tensor:
+    # predequant=False: straight from the records (two phases would stage T x keys bf16 rows).
     return smd.sparse_attn_decode(r["q"], r["swa"], r["main_idx"], r["main_ptr"], SCALE,
                                   r["sink"], NOPE_DIM, ROPE_DIM, r["comp"], r["extra_idx"],
-                                  r["extra_ptr"], out=out, num_kv_splits=1, variant=variant)
+                                  r["extra_ptr"], out=out, num_kv_splits=1, variant=variant,
+                                  predequant=False)
 
 
 def gather(r: dict, variant: str) -> None:

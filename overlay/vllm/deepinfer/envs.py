@@ -41,9 +41,13 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("kv_gather", _ALL, "dequantize_and_gather_k_cache (584-byte records)"),
     Feature("topk_swa", _ALL, "combine_topk_swa_indices"),
     Feature("sparse_mla_decode", _ALL, "unified 512-dim sparse MLA decode"),
-    # Off everywhere until measured on a GPU: =1 makes the software-e4m3 variants (sm80,
-    # sm86, cpu) decode in two phases (kernels/sparse_mla_decode.py, Tile.predequant).
-    Feature("decode_predequant", frozenset(),
+    # On for the software-e4m3 variants (sm80, sm86, cpu): their decode launches of
+    # PREDEQUANT_MIN_TOKENS (4) tokens or more run in two phases (kernels/sparse_mla_decode.py,
+    # Tile.predequant, select_tile): 1.1-1.3x faster at 4 tokens, 1.4-2.5x from 16, 5% slower
+    # at 1 token x 64 heads, in the H200 run of the sm_80 kernels (benchmarks/results/
+    # h200-2026-12-01-sparse_mla_decode-4ab26c8.json; no A100 figures). 0 keeps every launch
+    # single-phase. No effect on the hardware-e4m3 variants.
+    Feature("decode_predequant", _AMPERE,
             "sparse MLA decode on Ampere: dequantize each key once per token, then attend"),
     # On for the Ampere variants: benchmarks/results/h200-2026-12-01-sweep-prefill-4ab26c8.json
     # timed the sm80 tile (2 warps, plain form) at 1.15-1.17x upstream's

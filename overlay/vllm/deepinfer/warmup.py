@@ -10,19 +10,22 @@ the Ampere attention class), so no request pays a Triton compile.
 The warmup keys are the configurations a model can launch, derived from its config
 (``ModelShapes``): the gather's request buckets with and without ``gather_lens``, the
 combiner's row widths for the model's compress ratios, window and top-k, and the decode's
-(extra cache or not, split or not, inverse RoPE or not) with the cache block sizes of this
-GPU (V4.1: SWA pages of 32 tokens, compressed pages of 128, 64 on sm90; V4: SWA 64, C4A 64,
-C128A 2) and every split count the decode heuristic can pick. Each key compiles with
-``JITFunction.warmup`` (Triton's compile-only launch) from the kernel's signature table (the
-one the compile gate uses): pointers as dtypes (the stand-ins a launcher passes for unused
-arguments included: the dtype is part of Triton's cache key), integers as 16 (the "multiple
-of 16" specialization every stride that stays specialized takes at runtime); per-batch
-integers and metadata pointers whose alignment moves with the chunk are
-``do_not_specialize``[``_on_alignment``] in the kernels, and the launch options are passed
-exactly as the launchers pass them. tests/test_warmup_coverage.py computes Triton's cache key
-of every launch over a grid of realistic calls and of every warmup key, on a CPU, and checks
-that the first are among the second. The prefill has one configuration (dense combiner rows, sink,
-512-wide output; its row, head and head-tile counts are unspecialized).
+(extra cache or not, split or not, inverse RoPE or not; on sm80/sm86 the single-phase tile
+of small batches and the two-phase tile with its first phase, which launches of
+``PREDEQUANT_MIN_TOKENS`` tokens or more take unless DEEPINFER_DECODE_PREDEQUANT=0) with the
+cache block sizes of this GPU (V4.1: SWA pages of 32 tokens, compressed pages of 128, 64 on
+sm90; V4: SWA 64, C4A 64, C128A 2) and every split count the decode heuristic can pick. Each
+key compiles with ``JITFunction.warmup`` (Triton's compile-only launch) from the kernel's
+signature table (the one the compile gate uses): pointers as dtypes (the stand-ins a
+launcher passes for unused arguments included: the dtype is part of Triton's cache key),
+integers as 16 (the "multiple of 16" specialization every stride that stays specialized
+takes at runtime); per-batch integers and metadata pointers whose alignment moves with the
+chunk are ``do_not_specialize``[``_on_alignment``] in the kernels, and the launch options
+are passed exactly as the launchers pass them. tests/test_warmup_coverage.py computes
+Triton's cache key of every launch over a grid of realistic calls and of every warmup key,
+on a CPU, and checks that the first are among the second. The prefill has one configuration
+(dense combiner rows, sink, 512-wide output; its row, head and head-tile counts are
+unspecialized).
 
 Nothing here imports vLLM except ``register_with_vllm``; ``keys``/``compile_key`` need only
 torch and Triton (and a GPU to compile for).
@@ -173,37 +176,49 @@ def _stand_ins(split: bool, inv_rope: bool, predequant: bool = False
 
 
 def _decode_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
+    """Every tile row a launch on ``variant`` can take (``smd.launch_tiles``): the
+    single-phase row and, where decode_predequant is on (sm80, sm86 by default), the two-phase
+    row that launches of PREDEQUANT_MIN_TOKENS tokens or more take, with its first phase."""
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
-    tile = smd.TILES[variant]
-    block_h, _ = smd.launch_plan(1, shapes.heads, 1.0, tile, 1, num_kv_splits=1)
     main_bs = shapes.swa_page
     extras = sorted({None if shapes.swa_only(r) else shapes.extra_page(r, variant)
                      for r in shapes.compress_ratios}, key=lambda e: -1 if e is None else e)
     keys = []
-    for extra in extras:
-        for split in (False, True):
+    for row in smd.launch_tiles(variant):
+        tile = smd.TILES[row]
+        block_h, _ = smd.launch_plan(1, shapes.heads, 1.0, tile, 1, num_kv_splits=1)
+        for extra in extras:
+            extra_bs = main_bs if extra is None else extra
+            if tile.predequant:
+                c = dict(HAS_EXTRA=extra is not None, HW_FP8=arch.VARIANTS[variant].hw_fp8,
+                         ALIGNED=True, MAIN_BS=main_bs, EXTRA_BS=extra_bs,
+                         BLOCK_N=smd.PREDEQUANT_BLOCK_N,
+                         DECODE=smd.PREDEQUANT_DECODES[tile.predequant_decode])
+                keys.append(WarmupKey("decode_predequant", tuple(sorted(c.items())),
+                                      smd.PREDEQUANT_WARPS, 1))
+            for split in (False, True):
+                for inv_rope in (False, True):
+                    c = dict(HAS_EXTRA=extra is not None, HAS_SINK=True, SPLIT=split,
+                             INV_ROPE=inv_rope and not split,
+                             HW_FP8=arch.VARIANTS[variant].hw_fp8, DOT_FP32=False, ALIGNED=True,
+                             MAIN_BS=main_bs, EXTRA_BS=extra_bs, BLOCK_H=block_h,
+                             BLOCK_N=tile.block_n, PREFETCH=tile.prefetch,
+                             PREDEQUANT=tile.predequant)
+                    keys.append(WarmupKey("decode", tuple(sorted(c.items())), tile.num_warps,
+                                          tile.num_stages,
+                                          _stand_ins(split, inv_rope, tile.predequant)))
+        # The reduce, for every split-count bucket choose_num_splits can pick: at most one
+        # split per key tile and no more than one wave of CTAs.
+        most = max(1, min(sm_count * tile.ctas_per_sm, -(-shapes.max_keys // tile.block_n)))
+        p2 = 2
+        while p2 < 2 * most:
             for inv_rope in (False, True):
-                c = dict(HAS_EXTRA=extra is not None, HAS_SINK=True, SPLIT=split,
-                         INV_ROPE=inv_rope and not split, HW_FP8=arch.VARIANTS[variant].hw_fp8,
-                         DOT_FP32=False, ALIGNED=True, MAIN_BS=main_bs,
-                         EXTRA_BS=main_bs if extra is None else extra, BLOCK_H=block_h,
-                         BLOCK_N=tile.block_n, PREFETCH=tile.prefetch,
-                         PREDEQUANT=tile.predequant)
-                keys.append(WarmupKey("decode", tuple(sorted(c.items())), tile.num_warps,
-                                      tile.num_stages,
-                                      _stand_ins(split, inv_rope, tile.predequant)))
-    # The reduce, for every split-count bucket choose_num_splits can pick: at most one split
-    # per key tile and no more than one wave of CTAs.
-    most = max(1, min(sm_count * tile.ctas_per_sm, -(-shapes.max_keys // tile.block_n)))
-    p2 = 2
-    while p2 < 2 * most:
-        for inv_rope in (False, True):
-            c = dict(HAS_SINK=True, INV_ROPE=inv_rope, SPLITS_P2=p2, UNROLL=smd.REDUCE_UNROLL,
-                     BLOCK_H=tile.reduce_block_h)
-            keys.append(WarmupKey("decode_reduce", tuple(sorted(c.items())), tile.reduce_warps,
-                                  None, _stand_ins(True, inv_rope)))
-        p2 *= 2
-    return keys
+                c = dict(HAS_SINK=True, INV_ROPE=inv_rope, SPLITS_P2=p2,
+                         UNROLL=smd.REDUCE_UNROLL, BLOCK_H=tile.reduce_block_h)
+                keys.append(WarmupKey("decode_reduce", tuple(sorted(c.items())),
+                                      tile.reduce_warps, None, _stand_ins(True, inv_rope)))
+            p2 *= 2
+    return list(dict.fromkeys(keys))  # the rows share their reduce keys
 
 
 def _prefill_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
@@ -271,6 +286,8 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
                "_MAIN_SIG"),
     "decode_reduce": ("vllm.deepinfer.kernels.sparse_mla_decode",
                       "_sparse_mla_decode_reduce_kernel", "_REDUCE_SIG"),
+    "decode_predequant": ("vllm.deepinfer.kernels.sparse_mla_decode", "_predequant_kernel",
+                          "_PREDEQUANT_SIG"),
     "indexer_logits": ("vllm.deepinfer.kernels.indexer_logits", "_logits_kernel", "_SIGNATURE"),
     "prefill": ("vllm.deepinfer.kernels.sparse_mla_prefill", "_sparse_mla_prefill_kernel",
                 "_SIG"),

@@ -58,8 +58,9 @@ from vllm.deepinfer.kv_record import TL_NOPE_DIM as _NOPE  # 448 e4m3 columns, t
 from vllm.deepinfer.kv_record import TL_QUANT_BLOCK as _CHUNK  # 64 columns per UE8M0 scale
 from vllm.deepinfer.kv_record import TL_SCALE_BYTES as _SCALE  # 8 scale bytes (7 + pad)
 
-__all__ = ["sparse_attn_decode", "choose_num_splits", "launch_plan", "Tile", "TILES",
-           "REDUCE_UNROLL", "GATE_VARIANTS", "PREDEQUANT_FEATURE", "PREDEQUANT_BLOCK_N",
+__all__ = ["sparse_attn_decode", "choose_num_splits", "launch_plan", "select_tile",
+           "launch_tiles", "Tile", "TILES", "REDUCE_UNROLL", "GATE_VARIANTS",
+           "PREDEQUANT_FEATURE", "PREDEQUANT_MIN_TOKENS", "PREDEQUANT_BLOCK_N",
            "PREDEQUANT_WARPS", "PREDEQUANT_PROGRAMS_PER_SM", "PREDEQUANT_DECODES"]
 
 FEATURE = "sparse_mla_decode"
@@ -74,6 +75,20 @@ NEG_LARGE = tl.constexpr(-3.4028234663852886e38)
 REDUCE_UNROLL = 4
 # The two-phase path (Tile.predequant). Its switch for sm80/sm86/cpu: DEEPINFER_DECODE_PREDEQUANT.
 PREDEQUANT_FEATURE = "decode_predequant"
+# Decode tokens (rows of q) from which a software-e4m3 variant (sm80, sm86, cpu) takes its
+# two-phase row ("<variant>-2p") while decode_predequant is on (select_tile); fewer take the
+# single-phase row. From benchmarks/results/h200-2026-12-01-sparse_mla_decode-4ab26c8.json:
+# H200 timings of the sm_80-targeted kernels run on Hopper (rows "sm80" vs "sm80-2p"; not
+# A100 figures, no A100 was measured), top-k 512 + window 128, CUDA-graph replays:
+#   64 heads, tokens 1 / 4 / 16 / 64 / 128: two-phase 42.3 / 30.8 / 42.9 / 135.3 / 273.6 us,
+#     single-phase 40.2 / 34.0 / 60.6 / 257.1 / 502.5 us (batch 64: 39.7 vs 20.9 TFLOP/s);
+#   128 heads, same tokens: 31.3 / 30.4 / 60.0 / 229.0 / 369.2 vs
+#     31.9 / 39.1 / 104.8 / 481.4 / 931.6 us;
+#   top-k 8192, 64 heads, 1 / 16 / 64 tokens: 75.5 / 355.2 / 1563.2 vs 91.1 / 605.6 / 3196.0 us.
+# Two-phase loses only at 1 token x 64 heads x 640 keys (5% slower) and wins by 2% at 1 token
+# x 128 heads: the crossover is between 1 and 4 tokens at 64 heads (2 and 3 not measured),
+# at or below 1 at 128. 4 is the smallest batch at which two-phase won in every measured row.
+PREDEQUANT_MIN_TOKENS = 4
 # Phase 1 moves 584 B in and 1 KiB out per key, like the KV gather: its tile (16 keys,
 # 4 warps) is the gather's, measured best there (kernels/kv_gather.py). Each program walks
 # key tiles p, p + P, ... of its token; P from 4 programs per SM, about what is resident
@@ -113,9 +128,10 @@ class Tile:
     # Two phases (Ampere): a first kernel dequantizes each token's keys once into a bf16
     # workspace (one pass over the records, shared by every head tile of the token); the
     # attention kernel then reads plain bf16 rows, contiguous per token, with no e4m3 work
-    # and no slot arithmetic in its loop. Same tile, same 48 KiB. Off by default until
-    # measured on a GPU (docs/a100-model.md has the model's prediction): rows "*-2p" of
-    # this table, or DEEPINFER_DECODE_PREDEQUANT=1 on the software-e4m3 variants.
+    # and no slot arithmetic in its loop. Rows "*-2p" of this table: a software-e4m3
+    # variant's launches take its "-2p" row from PREDEQUANT_MIN_TOKENS decode tokens on
+    # (select_tile; DEEPINFER_DECODE_PREDEQUANT=0 keeps them single-phase); naming a "-2p"
+    # row always runs two phases.
     predequant: bool = False
     # Phase 1's software e4m3 decoder (a PREDEQUANT_DECODES key).
     predequant_decode: str = "int"
@@ -132,13 +148,14 @@ TILES: dict[str, Tile] = {
     "sm86": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
     # Interpreter (CPU tensors): the sm80 code path and tile.
     "cpu": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1),
-    # The two-phase Ampere path (``predequant``): selected by name (benchmarks, tests) or
-    # for sm80/sm86/cpu by DEEPINFER_DECODE_PREDEQUANT=1. Its attention kernel reads
+    # The two-phase Ampere path (``predequant``): selected by name (benchmarks, tests), and
+    # by sm80/sm86/cpu launches of PREDEQUANT_MIN_TOKENS tokens or more unless
+    # DEEPINFER_DECODE_PREDEQUANT=0 (select_tile). Its attention kernel reads
     # contiguous bf16 rows, which Triton's pipeliner stages with cp.async straight into
     # shared memory, stored once for both dots: with 2 stages the sm_80 build takes 33 KiB
     # (one stage: 48 KiB, the tile stored twice). Chosen with the A100 model over warps
     # {2, 4, 8} x stages {1, 2, 3} x keys {16, 32} within 48 KiB (docs/a100-model.md);
-    # 32 keys x 2 stages needs 49 KiB. Not measured on a GPU yet.
+    # 32 keys x 2 stages needs 49 KiB. Measured on the H200 only (PREDEQUANT_MIN_TOKENS).
     "sm80-2p": Tile(block_h=16, block_n=16, num_warps=4, num_stages=2, ctas_per_sm=2,
                     predequant=True, predequant_decode="e4b15"),
     "sm86-2p": Tile(block_h=16, block_n=16, num_warps=4, num_stages=2, ctas_per_sm=2,
@@ -250,7 +267,9 @@ def _build_key_rows(code, sbyte, rope_bits, HW_FP8: tl.constexpr, BLOCK_N: tl.co
     return tl.where(k == k, k, 0.0)
 
 
-@triton.jit
+# Cache row counts vary with the cache size (V4's C128A pages hold 2 entries: an odd block
+# count is not a multiple of 16): unspecialized, as in the attention kernel below.
+@triton.jit(do_not_specialize=["main_rows", "extra_rows"])
 def _predequant_kernel(
     main_cache_ptr, main_idx_ptr, main_indptr_ptr, extra_cache_ptr, extra_idx_ptr,
     extra_indptr_ptr, ws_ptr, valid_ptr, main_stride0, extra_stride0, main_rows, extra_rows,
@@ -482,14 +501,44 @@ _PREDEQUANT_VAR = envs.feature_variable(PREDEQUANT_FEATURE)
 
 
 def _predequant_switched_on(variant: str) -> bool:
-    """DEEPINFER_DECODE_PREDEQUANT on the software-e4m3 variants. The feature is off by
-    default everywhere and DEEPINFER_DISABLE can only turn features off, so without its
-    own variable the answer is False at the cost of one environment lookup (launchers run
-    on every layer; envs.enabled costs ~6 us on the CI machine). With it, envs.enabled
-    decides (and rejects a malformed value)."""
-    if _PREDEQUANT_VAR not in os.environ:
-        return False
+    """Whether decode_predequant is on for ``variant``. Launchers run on every layer and
+    envs.enabled costs ~6 us on the CI machine, so without DEEPINFER_DECODE_PREDEQUANT and
+    DEEPINFER_DISABLE in the environment the answer is the feature's default (read at call
+    time); with either, envs.enabled decides (and rejects a malformed value)."""
+    if _PREDEQUANT_VAR not in os.environ and "DEEPINFER_DISABLE" not in os.environ:
+        return variant in envs.FEATURES[PREDEQUANT_FEATURE].default_on
     return envs.enabled(PREDEQUANT_FEATURE, variant)
+
+
+def select_tile(variant: str | None, tokens: int, predequant: bool | None = None) -> str:
+    """The TILES row a launch of ``tokens`` decode tokens runs. ``variant`` names a row, None
+    meaning this process's variant. A variant's own row ("sm80", "sm86", "cpu") gives way to
+    its two-phase row ("<variant>-2p") when decode_predequant is on for it (the default;
+    DEEPINFER_DECODE_PREDEQUANT=0 or DEEPINFER_DISABLE turns it off) and ``tokens`` >=
+    PREDEQUANT_MIN_TOKENS: a host-side choice per launch shape, so fixed for each CUDA graph
+    vLLM captures. ``predequant`` True/False forces the variant's two-phase / single-phase
+    row (benchmarks, tests). Any other row ("sm80-2p", a benchmark's own) runs as named."""
+    name = arch.table_key(variant, TILES)
+    two = f"{name}-2p"
+    if name not in arch.VARIANTS or two not in TILES:  # a named row, or a hardware-e4m3 one
+        if predequant is not None and predequant != TILES[name].predequant:
+            raise ValueError(f"predequant: tile row {name!r} has predequant="
+                             f"{TILES[name].predequant}, asked for {predequant}")
+        return name
+    if predequant is None:
+        predequant = tokens >= PREDEQUANT_MIN_TOKENS and _predequant_switched_on(name)
+    return two if predequant else name
+
+
+def launch_tiles(variant: str) -> tuple[str, ...]:
+    """Every TILES row select_tile can give launches of ``variant`` under the current
+    environment (what the JIT warmup compiles): the variant's own row, and its two-phase
+    row where decode_predequant is on."""
+    name = arch.table_key(variant, TILES)
+    two = f"{name}-2p"
+    if name in arch.VARIANTS and two in TILES and _predequant_switched_on(name):
+        return name, two
+    return (name,)
 
 
 def choose_num_splits(tokens: int, head_tiles: int, avg_keys: float, tile: Tile,
@@ -520,7 +569,8 @@ def launch_plan(tokens: int, heads: int, avg_keys: float, tile: Tile, sm_count: 
 def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sink,
                        nope_head_dim, rope_head_dim, extra_cache=None, extra_indices=None,
                        extra_indptr=None, out=None, inv_rope_positions=None,
-                       inv_rope_cos_sin_cache=None, *, num_kv_splits=None, variant=None):
+                       inv_rope_cos_sin_cache=None, *, num_kv_splits=None, variant=None,
+                       predequant=None):
     """Sparse MLA decode over 584-byte records; returns ``out`` [tokens, heads, 512] bf16.
 
     Arguments as upstream's ``_rocm_sparse_attn_decode_ragged_triton``: ``q`` [tokens,
@@ -536,15 +586,18 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
 
     ``num_kv_splits``: None picks the split-K factor from the SM count and key count
     (``choose_num_splits``); an int forces it (tests). ``variant``: tile/fp8 variant,
-    None meaning ``arch.current().name``; "cpu" runs the sm80 code in the interpreter.
+    None meaning ``arch.current().name``; "cpu" runs the sm80 code in the interpreter. On
+    sm80/sm86/cpu, launches of PREDEQUANT_MIN_TOKENS tokens or more run in two phases
+    (``select_tile``); ``predequant`` True/False forces two / one phase there.
     """
     name = arch.table_key(variant, TILES)
-    v = arch.VARIANTS[name.split("-")[0]]  # "sm80-2p": the sm80 variant's fp8 and tiles
-    tile = TILES[name]
-    predequant = tile.predequant or (not v.hw_fp8 and _predequant_switched_on(v.name))
     check_mla_query(q, nope_head_dim, rope_head_dim, scale)
     dev = q.device
     tokens, heads, _ = q.shape
+    name = select_tile(name, tokens, predequant)
+    v = arch.VARIANTS[name.split("-")[0]]  # "sm80-2p": the sm80 variant's fp8 and tiles
+    tile = TILES[name]
+    predequant = tile.predequant
     _check_cache(main_cache, "main_cache", dev)
     main_indices, main_indptr = _ragged(main_indices, main_indptr, tokens, "main_indices",
                                         "main_indptr", dev)
@@ -616,6 +669,11 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     if predequant:
         # One bf16 row and one validity byte per (token, key): rows of token t start at
         # main_indptr[t] + extra_indptr[t] (both prefix sums), sized from the index lists.
+        # Sized from numel() (no device sync), allocated per call like the split partials:
+        # inside a CUDA-graph capture they come from the graph's private pool and stay
+        # reserved for its replays (the decode suite times the path that way). Cost: rows x
+        # 1 KiB of that pool, freed after the launch for the next layer to reuse; e.g. a
+        # 512-token capture x 640 keys: 320 MiB, x (8192 + 128) keys (V4 C128A, 1M): 4.1 GiB.
         rows = main_indices.numel() + (extra_indices.numel() if has_extra else 0)
         ws = torch.empty(max(rows, 1), HEAD_DIM, dtype=torch.bfloat16, device=dev)
         valid = torch.empty(max(rows, 1), dtype=torch.uint8, device=dev)
