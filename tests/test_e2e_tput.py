@@ -30,7 +30,7 @@ class _Engine:
 
     def add_request(self, rid, prompt, sp):
         self.reqs[rid] = dict(left=len(prompt["prompt_token_ids"]), toks=0, max=sp.max_tokens)
-        return rid
+        return rid + "-0a1b"   # vLLM returns its internal id; outputs carry the given one
 
     def has_unfinished_requests(self):
         return any(r["toks"] < r["max"] for r in self.reqs.values())

@@ -255,14 +255,15 @@ def test_every_code_and_scale_byte(monkeypatch, upstream, device, decode):
 @pytest.mark.parametrize("bs", ODD_PAGES)
 def test_odd_page_sizes(upstream, device, bs):
     """Pages that are not powers of two (the kernel divides positions by a runtime block
-    size) with a page stride that is not a multiple of 16: gathers that start mid-page and
-    cross several pages, against torch and upstream."""
+    size) with a page stride that is not a multiple of 16 (but even: the bf16 RoPE values
+    need 2-byte alignment, see test_odd_page_stride_is_refused): gathers that start mid-page
+    and cross several pages, against torch and upstream."""
     gen = torch.Generator().manual_seed(bs)
     seq_lens = [bs + 40, 3 * bs + 1]
     blocks = -(-max(seq_lens) // bs)
     nb = blocks + 3
-    cache = make_cache(gen, nb, bs, device, page_pad=5, nan_codes=False)
-    assert cache.stride(0) % 16 != 0
+    cache = make_cache(gen, nb, bs, device, page_pad=6, nan_codes=False)
+    assert cache.stride(0) % 16 != 0 and cache.stride(0) % 2 == 0
     seq = i32(seq_lens, device)
     gl = i32([bs + 5, 2 * bs], device)
     bt = torch.stack([torch.randperm(nb, generator=gen)[:blocks] for _ in range(2)])
@@ -383,3 +384,15 @@ def test_compile_keys_cover_registered_specs():
         assert len(keys) == 6
         for k in keys:
             assert (tuple(sorted(k.constexprs().items())), k.num_warps) in specs, (v, k)
+
+
+def test_odd_page_stride_is_refused():
+    """An odd page stride would make the kernel read bf16 at odd addresses (a CUDA
+    "misaligned address" on the H200): the launcher refuses it, naming k_cache."""
+    gen = torch.Generator().manual_seed(0)
+    cache = make_cache(gen, 4, 16, "cpu", page_pad=5, nan_codes=False)
+    out = torch.zeros(1, 16, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k_cache.*odd"):
+        kg.dequantize_and_gather_k_cache(out, cache, i32([16], "cpu"), None,
+                                         torch.zeros(1, 1, dtype=torch.int32), 16, 0,
+                                         variant="sm80")

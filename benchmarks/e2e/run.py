@@ -115,15 +115,20 @@ def decode_steps_per_s(llm, ps, steps: int) -> dict:
                         temperature=0.0, ignore_eos=True, detokenize=False)
     # Straight to the engine with cumulative outputs (LLM.enqueue asks for final outputs only,
     # and the window needs every request's count after every step).
-    ids = [eng.add_request(f"decode-tput-{time.monotonic_ns()}-{i}",
-                           {"prompt_token_ids": p}, sp) for i, p in enumerate(ps)]
+    # Outputs carry the id given here; add_request returns vLLM's internal one (with a suffix
+    # of its own), so outputs are matched to these ids and aborts use them (external ids).
+    ids = [f"decode-tput-{time.monotonic_ns()}-{i}" for i in range(len(ps))]
+    for rid, p in zip(ids, ps):
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
     counts = {i: 0 for i in ids}
     t0 = s0 = None
     t1 = s1 = None
     while eng.has_unfinished_requests():
         for o in eng.step():
-            if o.request_id in counts:
-                counts[o.request_id] = len(o.outputs[0].token_ids)
+            key = o.request_id if o.request_id in counts else next(
+                (k for k in ids if o.request_id.startswith(k + "-")), None)
+            if key is not None:
+                counts[key] = len(o.outputs[0].token_ids)
         total = sum(counts.values())
         if t0 is None and all(c >= 1 for c in counts.values()):
             torch.cuda.synchronize()

@@ -85,6 +85,17 @@ class ModelShapes:
             return compressed_page(variant)
         return shapes.V4_LOGICAL_BLOCK // ratio
 
+    def extra_pages(self, ratio: int, variant: str) -> tuple[int, ...]:
+        """Every compressed page size the decode may see on ``variant``. V4.1: the variant's
+        page and the other size vLLM uses for these caches (64 / 128 entries). The H200
+        nocompile run of the A100-faithful mode (benchmarks/results/
+        h200-2026-12-01-e2e-5f462a5.json, zero_compile) served V4.1's compressed layers
+        with 64-entry pages where the sm80 rule gives 128, and the two-phase decode
+        compiled while serving; both sizes are warmed (a few compiles)."""
+        if self.model == "v41":
+            return tuple(sorted({compressed_page(variant), *shapes.COMPRESSED_PAGE.values()}))
+        return (self.extra_page(ratio, variant),)
+
     @property
     def c128a_topk(self) -> int:
         """Widest C128A top-k (V4): every compressed position of the longest request, in
@@ -181,8 +192,9 @@ def _decode_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[Warmu
     row that launches of PREDEQUANT_MIN_TOKENS tokens or more take, with its first phase."""
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
     main_bs = shapes.swa_page
-    extras = sorted({None if shapes.swa_only(r) else shapes.extra_page(r, variant)
-                     for r in shapes.compress_ratios}, key=lambda e: -1 if e is None else e)
+    extras = sorted({e for r in shapes.compress_ratios
+                     for e in ((None,) if shapes.swa_only(r) else shapes.extra_pages(r, variant))},
+                    key=lambda e: -1 if e is None else e)
     keys = []
     for row in smd.launch_tiles(variant):
         tile = smd.TILES[row]

@@ -99,8 +99,10 @@ def _pool_and_norm(state, state_stride0, state_stride1, req, position, block_tab
 # compressed pages to the largest page of the model (C128A's 2-entry pages were 141,696
 # bytes in the H200 e2e run, not 2 x 584), so a constexpr stride or a specialized block size
 # compiled again while serving (benchmarks/results/h200-2026-12-01-e2e-4ab26c8.json,
-# zero_compile). Strides are multiples of 576 bytes: one "divisible by 16" build.
-@triton.jit(do_not_specialize=["num_slots", "block_size"])
+# zero_compile). Strides are multiples of 576 bytes: one "divisible by 16" build. The
+# entries per page (cache_block: 64 for C4A, 2 for C128A) are unspecialized too: the
+# 5f462a5 run still compiled C128A's 2-entry form while serving.
+@triton.jit(do_not_specialize=["num_slots", "block_size", "cache_block"])
 def _compress_sparse_attn_kernel(
     state, state_stride0, state_stride1,
     token_to_req, positions, state_slots, block_table, block_table_stride, block_size,
@@ -159,7 +161,7 @@ def _compress_sparse_attn_kernel(
 
 # ----------------------------------------------------------------- head 128: indexer FP8 row
 @triton.jit(do_not_specialize=["state_stride0", "state_stride1", "block_table_stride", "eps",
-                               "cos_stride", "num_slots", "block_size"])
+                               "cos_stride", "num_slots", "block_size", "cache_block"])
 def _compress_indexer_kernel(
     state, state_stride0, state_stride1,
     token_to_req, positions, state_slots, block_table, block_table_stride, block_size,

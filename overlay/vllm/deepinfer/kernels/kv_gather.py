@@ -187,6 +187,11 @@ def _check_inputs(out, k_cache, seq_lens, gather_lens, block_table, block_size, 
           "k_cache", lambda: f"expected [num_blocks, block_size, {RECORD_BYTES}] (584-byte records "
           f"only) with contiguous pages of block_size={block_size} records, got shape "
           f"{tuple(ksh)} strides {kst}")
+    # The 64 RoPE values are bf16 read in place: an odd page stride puts them at odd
+    # addresses, which no GPU load can read (CUDA "misaligned address", seen on the H200).
+    # vLLM's pages are multiples of 576 bytes.
+    check(ksh[0] <= 1 or kst[0] % 2 == 0, "k_cache",
+          lambda: f"page stride {kst[0]} bytes is odd: the bf16 RoPE values need 2-byte alignment")
     check_tensor(seq_lens, "seq_lens", _I32, 1, dev, True)
     num_reqs = seq_lens.shape[0]
     if gather_lens is not None:
