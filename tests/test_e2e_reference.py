@@ -265,3 +265,9 @@ def test_cli_json_layout(ckpts, tmp_path):
             "--out", str(out2)])
     r2 = json.loads(out2.read_text())
     assert r2["prompts"][0]["prompt"] == r["prompts"][1]["prompt"]
+
+
+def test_kv_record_round_trip_of_no_rows():
+    """V4's C128A layers have no compressed row under 128 tokens: the --mimic-kv-fp8 round
+    trip of an empty [0, 512] block is empty (it crashed the H200 run at 5f462a5)."""
+    assert R.qdq_kv_record(torch.empty(0, 512)).shape == (0, 512)

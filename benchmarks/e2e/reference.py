@@ -188,6 +188,8 @@ def qdq_kv_record(x):
     a UE8M0 scale per 64 (e = ceil(log2(max(amax, 1e-4) / 448))), RoPE dims bf16
     (fused_compress_quant_cache.py::_rope_quant_insert_kernel)."""
     x = x.to(torch.bfloat16).float()
+    if x.numel() == 0:  # no compressed row yet (a V4 C128A layer under 128 tokens)
+        return x
     nope, rot = x[..., :-ROPE_DIM], x[..., -ROPE_DIM:]
     b = nope.reshape(*nope.shape[:-1], -1, KV_QUANT_BLOCK)
     e = torch.ceil(torch.log2(b.abs().amax(-1, keepdim=True).clamp_min(1e-4) / E4M3_MAX))
