@@ -297,7 +297,7 @@ def scenario_projection() -> None:
             record(f"delayed/{arch}/{env}/{t}/{hidden}", lambda: delayed_case(arch, env, t, hidden))
         for t, hidden in ((6, 5120), (40, 1024)):
             record(f"v4/{arch}/{env}/{t}/{hidden}", lambda: v4_case(arch, env, t, hidden))
-        for t in (5, 20):
+        for t in (5, 20, 40):
             record(f"first_v41/{arch}/{env}/{t}", lambda: first_v41(arch, env, t, 1024))
     set_env(DEEPINFER_ARCH=None, DEEPINFER_MHC=None)
 

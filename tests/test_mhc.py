@@ -34,14 +34,20 @@ def _tuned_on(monkeypatch):
     routing.reset()
 
 
-def test_tuned_paths_are_off_by_default(monkeypatch):
-    """Until measured on a GPU, the Ampere geometry and the tensor-core projection stay
-    upstream's (the first-layer fix without DeepGEMM stays on)."""
+def test_tuned_defaults_follow_the_measurement(monkeypatch):
+    """Measured by the mhc suite (H200, Ampere builds): the tensor-core projection above 32
+    tokens is on by default on the Ampere variants; the fused geometry stays upstream's (the
+    candidate did not win); DEEPINFER_MHC_TUNED=0 turns the projection off."""
     monkeypatch.delenv("DEEPINFER_MHC_TUNED")
     monkeypatch.setenv("DEEPINFER_ARCH", "sm80")
     routing.reset()
-    assert not any(envs.enabled("mhc_tuned", v) for v in envs.FEATURES["mhc"].default_on)
+    assert {v for v in envs.FEATURES["mhc"].default_on if envs.enabled("mhc_tuned", v)} == {
+        "sm80", "sm86", "cpu"}
     assert mhc.fused_post_pre_config(6, 5120, 4) is mhc.UPSTREAM
+    assert not mhc.projection_on_tc(32, 5120, 24, False)
+    assert mhc.projection_on_tc(33, 5120, 24, False)
+    monkeypatch.setenv("DEEPINFER_MHC_TUNED", "0")
+    routing.reset()
     assert not mhc.projection_on_tc(8192, 5120, 24, False)
 
 
@@ -162,15 +168,18 @@ def projection():
 
 # (case, kernels the patched op runs): sm80 with the mhc feature on, then switched off.
 ROUTES = [
-    ("delayed/sm80/None/6/5120", [["fused", [6, 8, 128]], ["epilogue_delayed", 1]]),
-    ("delayed/sm80/None/20/5120", [["post"], ["tc", 20480, "S"], ["epilogue_delayed", "S"]]),
+    # As measured (mhc suite, H200): upstream's fused geometry up to 32 tokens, the
+    # tensor-core projection from 33 (TC_MIN_TOKENS) where upstream has no fused kernel.
+    ("delayed/sm80/None/6/5120", [["fused", [2, 8, 128]], ["epilogue_delayed", 1]]),
+    ("delayed/sm80/None/20/5120", [["fused", [6, 8, 128]], ["epilogue_delayed", 1]]),
     ("delayed/sm80/None/20/1024", [["fused", [6, 8, 128]], ["epilogue_delayed", 1]]),
     ("delayed/sm80/None/40/1024", [["post"], ["tc", 4096, "S"], ["epilogue_delayed", "S"]]),
     ("delayed/sm80/None/300/1024", [["post"], ["tc", 4096, "S"], ["epilogue_delayed", "S"]]),
-    ("v4/sm80/None/6/5120", [["fused", [6, 8, 128]], ["epilogue", 1]]),
+    ("v4/sm80/None/6/5120", [["fused", [2, 8, 128]], ["epilogue", 1]]),
     ("v4/sm80/None/40/1024", [["post"], ["tc", 4096, "S"], ["epilogue", "S"]]),
     ("first_v41/sm80/None/5", [["fma", 1024, 1], ["epilogue_delayed", 1]]),
-    ("first_v41/sm80/None/20", [["tc", 1024, "S"], ["epilogue_delayed", "S"]]),
+    ("first_v41/sm80/None/20", [["fma", 1024, 1], ["epilogue_delayed", 1]]),
+    ("first_v41/sm80/None/40", [["tc", 1024, "S"], ["epilogue_delayed", "S"]]),
     ("delayed/sm80/0/6/5120", [["fused", [2, 8, 128]], ["epilogue_delayed", 1]]),
     ("delayed/sm80/0/20/5120", [["fused", [6, 8, 128]], ["epilogue_delayed", 1]]),
     ("delayed/sm80/0/40/1024", [["post"], ["fma", 4096, 1], ["epilogue_delayed", 1]]),
@@ -224,15 +233,18 @@ def test_patched_first_layer_bad_hidden(first_layer):
 
 
 # --------------------------------------------------------------------------- Ampere configs
-def test_fused_geometry_5120(arch_env):
+def test_fused_geometry_5120(arch_env, monkeypatch):
     arch_env("sm80")
-    for t in range(1, mhc.TC_MIN_TOKENS):
+    # As measured, no Ampere entry: upstream's geometry at every token count.
+    for t in (1, 6, 12, 16, 32, 33):
+        assert mhc.fused_post_pre_config(t, 5120, 4) is mhc.UPSTREAM
+    # The table's form (the candidate the suite measured): 8 slices of 640 columns, 5 per
+    # thread; 24 projections in 4 tiles of 6; no fused kernel above the band.
+    monkeypatch.setitem(mhc.FUSED_GEOMETRY, 5120, ((15, (6, 8, 128)),))
+    for t in range(1, 16):
         assert mhc.fused_post_pre_config(t, 5120, 4) == (6, 8, 128)
-    for t in (mhc.TC_MIN_TOKENS, 24, 32, 33, 8192):
-        assert mhc.fused_post_pre_config(t, 5120, 4) is None  # post + tensor-core projection
-    # 8 slices of 640 columns, 5 per thread; 24 projections in 4 tiles of 6.
-    tile_n, n_splits, n_thr = mhc.fused_post_pre_config(6, 5120, 4)
-    assert 5120 // n_splits == 640 and 640 % n_thr == 0 and 24 % tile_n == 0
+    for t in (16, 32, 8192):
+        assert mhc.fused_post_pre_config(t, 5120, 4) is None
 
 
 @pytest.mark.parametrize("hidden", [4096, 7168])
@@ -255,7 +267,7 @@ def test_fused_geometry_table_rejects_a_bad_entry(arch_env, monkeypatch):
         mhc.fused_post_pre_config(4, 5120, 4)
 
 
-@pytest.mark.parametrize("t,want", [(15, False), (16, True), (8192, True)])
+@pytest.mark.parametrize("t,want", [(15, False), (32, False), (33, True), (8192, True)])
 def test_projection_threshold(arch_env, t, want):
     arch_env("sm80")
     assert mhc.projection_on_tc(t, 20480, 24, deep_gemm_supported=False) is want
@@ -290,8 +302,8 @@ def test_warmup_keys_cover_every_dispatched_projection(arch_env):
     from vllm.deepinfer.mhc import warmup as w
     arch_env("sm80")
     keys = w.tc_keys(20480, 24, 8192, (108,))
-    assert {k.key_for(t, 20480, 24, 108) for t in range(16, 8193)} == set(keys)
-    assert w.tc_keys(20480, 24, 15, (108,)) == []
+    assert {k.key_for(t, 20480, 24, 108) for t in range(mhc.TC_MIN_TOKENS, 8193)} == set(keys)
+    assert w.tc_keys(20480, 24, mhc.TC_MIN_TOKENS - 1, (108,)) == []
     assert w.projection_splits(20480, 24, 8192, (108,)) == {key.n_splits for key in keys}
     arch_env("sm80", "0")
     assert w.projection_splits(20480, 24, 8192, (108,)) == set()

@@ -76,9 +76,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # from 9.0) and the Ampere-tuned TileLang configs (vllm.deepinfer.mhc). On for sm89
     # too: it has no DeepGEMM either.
     Feature("mhc", _AMPERE | {"sm89"}, "mHC pre/post on TileLang without DeepGEMM, Ampere configs"),
-    # The Ampere fused geometry (hidden 5120) and the tensor-core projection from 16 tokens:
-    # compiled and tested on CPU only; on nowhere until the mhc suite measures them on a GPU.
-    Feature("mhc_tuned", frozenset(), "mHC Ampere geometry and tensor-core projection (unmeasured)"),
+    # The tensor-core mHC projection above 32 tokens (1.55x to 2.87x upstream's FMA projection
+    # from 64 to 1024 tokens, hidden 5120, mhc suite on the H200 with the Ampere builds:
+    # benchmarks/results/h200-2026-12-01-mhc-5f462a5.json) and the FUSED_GEOMETRY table
+    # (empty: the measured candidate did not win). On for the Ampere variants.
+    Feature("mhc_tuned", _AMPERE, "mHC tensor-core projection above 32 tokens, Ampere configs"),
     # Metadata identical across a KV-sharing group is built once per forward
     # (vllm.deepinfer.yoco): the layers compute the same thing either way, hence on
     # everywhere; 0 rebuilds it in every layer, as upstream does.

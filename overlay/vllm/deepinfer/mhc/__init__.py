@@ -24,8 +24,8 @@ from vllm.deepinfer import envs, routing
 logger = logging.getLogger("vllm.deepinfer")
 
 FEATURE = "mhc"
-# The Ampere geometry and the tensor-core projection: off by default until the mhc suite has
-# measured them on a GPU (DEEPINFER_MHC_TUNED=1 turns them on; docs/mhc.md).
+# The Ampere configs (FUSED_GEOMETRY, the tensor-core projection from TC_MIN_TOKENS): on for
+# sm80/sm86 as measured by the mhc suite (DEEPINFER_MHC_TUNED=0 turns them off; docs/mhc.md).
 TUNED_FEATURE = "mhc_tuned"
 # TileLang's prenorm GEMM gives each thread K / n_thr elements; its launcher picks
 # n_thr = 512 (1024 under 128 tokens when K % 1024 == 0) and asserts K % n_thr == 0.
@@ -107,9 +107,12 @@ def broadcast_prenorm_gemm(x, fn_broadcast, deep_gemm_supported: bool):
 # From this many tokens on, the mHC projection (x [T, K] @ fn.T with the squared sum) runs on
 # tensor cores (vllm.deepinfer.mhc.kernels.prenorm_gemm_tc) instead of upstream's per-thread
 # FMA kernels: the fused post + pre kernel reads all of fn (24 x K fp32) once per token,
-# the tensor-core GEMM once per 16-64 tokens. 16 is one MMA tile height; docs/mhc.md gives
-# the H200 measurements of the crossover.
-TC_MIN_TOKENS = 16
+# the tensor-core GEMM once per 16-64 tokens. Measured (mhc suite, H200, Ampere builds,
+# hidden 5120; benchmarks/results/h200-2026-12-01-mhc-5f462a5.json): post + tensor-core
+# projection against upstream's fused kernel 0.79x at 16 tokens, 0.85x at 24, 0.99x at 32;
+# against upstream's post + FMA projection (no fused kernel above 32) 1.55x at 64, 1.80x at
+# 128, 2.87x at 1024. So the tensor cores take over where upstream's fused kernel ends.
+TC_MIN_TOKENS = 33
 
 
 def sm_count(device) -> int:
@@ -157,14 +160,11 @@ UPSTREAM = object()
 
 # hidden -> ((max_tokens, (tile_n, n_splits, n_thr)), ...), ascending; tokens above the
 # last band take no fused kernel (upstream's post kernel, then the tensor-core projection).
-# 5120 (DeepSeek-V4.1): six projection rows per block over eight 640-column slices at every
-# fused token count — four projection tiles instead of twelve under 16 tokens, so each
-# block's post mapping (the 4x4 residual mix it recomputes per tile) is shared by three
-# times as many outputs. docs/mhc.md gives the measurements this rests on.
-# 4096 and 7168: no Ampere entry until measured — upstream's geometry.
-FUSED_GEOMETRY: dict[int, tuple[tuple[int, tuple[int, int, int]], ...]] = {
-    5120: ((TC_MIN_TOKENS - 1, (6, 8, 128)),),
-}
+# Empty: the candidate for 5120 (six projection rows per block over eight 640-column slices
+# under 16 tokens instead of upstream's (2, 8, 128)) measured 0.91x to 1.01x of upstream's
+# geometry from 1 to 12 tokens (mhc suite, H200, h200-2026-12-01-mhc-5f462a5.json), so
+# upstream's geometry stays at every hidden size. A measured winner goes here.
+FUSED_GEOMETRY: dict[int, tuple[tuple[int, tuple[int, int, int]], ...]] = {}
 
 
 def fused_post_pre_config(num_tokens: int, hidden_size: int, hc_mult: int):
