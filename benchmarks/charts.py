@@ -28,6 +28,9 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
         if r.get("ours_us") is not None:
             by_kernel[r["kernel"]].append(r)
     written = []
+    tput = [r for r in rows if r["kernel"] == "e2e" and r.get("tokens_per_s") is not None]
+    if tput:
+        written.append(chart_e2e(tput, meta, out_dir / f"{path.stem}-throughput.png"))
     if "yoco" in by_kernel:
         written.append(chart_yoco(by_kernel.pop("yoco"), meta, out_dir / f"{path.stem}-yoco.png"))
     for kernel, rs in by_kernel.items():
@@ -60,6 +63,36 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(out)
     return written
+
+
+def chart_e2e(rs: list[dict], meta: dict, out: Path) -> Path:
+    """vLLM serving throughput per mode (rows kernel="e2e"): decode per batch, prefill per
+    prompt length, tokens/s (higher is better)."""
+    import matplotlib.pyplot as plt
+    phases = list(dict.fromkeys(r["shape"]["phase"] for r in rs))
+    fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.5), squeeze=False)
+    for ax, phase in zip(axes[0], phases):
+        sel = [r for r in rs if r["shape"]["phase"] == phase]
+        key = "batch" if phase == "decode" else "prompt_len"
+        labels = list(dict.fromkeys(r["shape"][key] for r in sel))
+        variants = list(dict.fromkeys(r["variant"] for r in sel))
+        width = 0.8 / len(variants)
+        for i, v in enumerate(variants):
+            vals = {r["shape"][key]: r["tokens_per_s"] for r in sel if r["variant"] == v}
+            ax.bar([x - 0.4 + width * (i + 0.5) for x in range(len(labels))],
+                   [vals.get(lab, 0) for lab in labels], width, label=v)
+        ax.set_xticks(list(range(len(labels))))
+        ax.set_xticklabels([f"{key} {lab}" for lab in labels], fontsize=8)
+        ax.set_ylabel("tokens/s (higher is better)")
+        ax.set_title(phase, fontsize=9)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"vLLM serving throughput, {rs[0]['shape']['model']} — {meta['gpu']} "
+                 f"(a100 = A100-faithful kernel choice run on this GPU, not an A100)", fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 def chart_yoco(rs: list[dict], meta: dict, out: Path) -> Path:
