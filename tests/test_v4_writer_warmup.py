@@ -4,17 +4,7 @@ mode: the warmup compiled FusedInvRopeFP8QuantKernel, which fails to build for s
 must keep upstream's keys where upstream's kernel runs. Runs the patched tree in a subprocess."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-BUILD = Path(os.environ.get("DEEPINFER_BUILD", REPO / "build"))
-PATCHED = BUILD / "patched"
+from patched_python import run_json
 
 PROBE = r"""
 import json, sys
@@ -34,23 +24,7 @@ print(json.dumps(len(m.FusedInvRopeFP8QuantKernel().get_warmup_keys(cfg))))
 
 
 def _keys(capability: str, env: dict) -> int:
-    if not (PATCHED / ".ok").is_file():
-        msg = "build/patched missing: run `make patched`"
-        if os.environ.get("DEEPINFER_REQUIRE_UPSTREAM") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    full = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-    full.update(env, PYTHONPATH=str(PATCHED), CUDA_VISIBLE_DEVICES="")
-    full.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", PROBE, capability], env=full, capture_output=True,
-                       text=True, timeout=300, cwd=str(REPO))
-    last = (r.stderr.strip().splitlines() or [""])[-1]
-    if r.returncode != 0 and last.startswith("ModuleNotFoundError"):
-        if os.environ.get("DEEPINFER_REQUIRE_UPSTREAM") == "1":
-            pytest.fail(r.stderr[-2000:])
-        pytest.skip(last)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_json(["-c", PROBE, capability], env, timeout=300)
 
 
 def test_no_upstream_fp8_warmup_keys_where_our_writer_runs():

@@ -7,41 +7,19 @@ launch over a grid of row counts, widths and KV row bounds finds a warmup key.""
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from patched_python import run_json
 
-REPO = Path(__file__).resolve().parent.parent
-BUILD = Path(os.environ.get("DEEPINFER_BUILD", REPO / "build"))
-PATCHED = BUILD / "patched"
 PROBE = Path(__file__).with_name("warmup_upstream_probe.py")
 
 
 @functools.cache
 def _probe(switch: str | None) -> dict:
-    if not (PATCHED / ".ok").is_file():
-        msg = "build/patched missing: run `make patched`"
-        if os.environ.get("DEEPINFER_REQUIRE_UPSTREAM") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-    env.update(PYTHONPATH=str(PATCHED), CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1",
-               DEEPINFER_ARCH="sm80")
+    env = dict(TRITON_INTERPRET="1", DEEPINFER_ARCH="sm80")
     if switch is not None:
         env["DEEPINFER_SERVE_WARMUP"] = switch
-    r = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=str(REPO))
-    last = (r.stderr.strip().splitlines() or [""])[-1]
-    if r.returncode != 0 and last.startswith("ModuleNotFoundError"):
-        if os.environ.get("DEEPINFER_REQUIRE_UPSTREAM") == "1":
-            pytest.fail(r.stderr[-2000:])
-        pytest.skip(last)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_json([str(PROBE)], env)
 
 
 def test_signature_tables_match_upstream():
