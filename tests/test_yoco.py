@@ -263,3 +263,18 @@ def test_indexer_k_too_wide_or_not_shareable_uses_the_workspace(fresh, monkeypat
     v, _ = yoco.indexer_k_rows(ctx, "L20.k", c, ws[0][:4], ws[1][:4],
                                lambda v, s: calls.append(1), gathers=True, shareable=False)
     assert len(calls) == 3 and v.data_ptr() == ws[0].data_ptr()
+
+
+def test_gather_buffer_device_names_resolve_to_one_device(fresh, monkeypatch):
+    """A GPU tensor reports cuda:0 where callers may pass "cuda": compared unresolved they
+    differed and the buffer was reallocated (forgetting its rows) on every call, so the H200
+    yoco suite reused no prefill gather. Named either way, one buffer, no reallocation."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert yoco._device("cuda") == torch.device("cuda:0") == yoco._device("cuda:0")
+    assert yoco._device("cpu:0") == torch.device("cpu")
+    assert yoco.gather_buffer("cuda") is yoco.gather_buffer(torch.device("cuda", 0))
+    buf = yoco.GatherBuffer(max_bytes=1 << 20)
+    buf.view(2, 16, 8, "cpu")
+    buf.view(2, 16, 8, "cpu:0")
+    buf.view(2, 16, 8, torch.device("cpu"))
+    assert buf.generation == 1

@@ -263,7 +263,7 @@ class GatherBuffer:
         if need * torch.finfo(dtype).bits // 8 > self.max_bytes:
             return None
         t = self.tensor
-        if t is None or t.numel() < need or t.device != torch.device(device) or t.dtype != dtype:
+        if t is None or t.numel() < need or t.device != _device(device) or t.dtype != dtype:
             self.tensor = t = torch.empty(need, dtype=dtype, device=device)
             self.generation += 1
         return t[:need].view(size, m, dim)
@@ -273,16 +273,28 @@ class GatherBuffer:
         KV-cache sizing that follows accounts for it."""
         n = min(int(nbytes), self.max_bytes) * 8 // torch.finfo(dtype).bits
         t = self.tensor
-        if n > 0 and (t is None or t.numel() < n or t.device != torch.device(device)):
+        if n > 0 and (t is None or t.numel() < n or t.device != _device(device)):
             self.tensor = torch.empty(n, dtype=dtype, device=device)
             self.generation += 1
+
+
+def _device(device) -> torch.device:
+    """``device`` with its index: a tensor on the GPU reports ``cuda:0`` where callers may pass
+    ``"cuda"``. Compared unresolved, they differ, and the buffer was reallocated (its rows
+    forgotten) on every call: the H200 yoco suite at 5f462a5 reused no prefill gather."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if d.type == "cpu":
+        return torch.device("cpu")
+    return d
 
 
 _GATHER_BUFFERS: dict[str, GatherBuffer] = {}
 
 
 def gather_buffer(device) -> GatherBuffer:
-    key = str(torch.device(device))
+    key = str(_device(device))  # one buffer per GPU, however the caller names it
     buf = _GATHER_BUFFERS.get(key)
     if buf is None:
         buf = _GATHER_BUFFERS[key] = GatherBuffer()
