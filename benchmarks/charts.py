@@ -49,9 +49,7 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
             vals = {(_label(r["shape"])): r["ours_us"] for r in rs if r["variant"] == v}
             ax.bar([x - 0.4 + width * (i + 1.5) for x in xs], [vals.get(lab, 0) for lab in labels],
                    width, label=f"ours ({v})")
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
-        ax.set_ylabel("µs (median, lower is better)")
+        _x_labels(ax, labels, "µs (median, lower is better)")
         ax.set_yscale("log")
         ax.set_title(f"{kernel} — {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']})",
                      fontsize=9)
@@ -63,6 +61,13 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(out)
     return written
+
+
+def _x_labels(ax, labels, ylabel: str, rotation: int = 35, fontsize: int = 7) -> None:
+    ax.set_xticks(list(range(len(labels))))
+    ax.set_xticklabels(labels, rotation=rotation, ha="right" if rotation else "center",
+                       fontsize=fontsize)
+    ax.set_ylabel(ylabel)
 
 
 def chart_e2e(rs: list[dict], meta: dict, out: Path) -> Path:
@@ -81,9 +86,8 @@ def chart_e2e(rs: list[dict], meta: dict, out: Path) -> Path:
             vals = {r["shape"][key]: r["tokens_per_s"] for r in sel if r["variant"] == v}
             ax.bar([x - 0.4 + width * (i + 0.5) for x in range(len(labels))],
                    [vals.get(lab, 0) for lab in labels], width, label=v)
-        ax.set_xticks(list(range(len(labels))))
-        ax.set_xticklabels([f"{key} {lab}" for lab in labels], fontsize=8)
-        ax.set_ylabel("tokens/s (higher is better)")
+        _x_labels(ax, [f"{key} {lab}" for lab in labels], "tokens/s (higher is better)",
+                  rotation=0, fontsize=8)
         ax.set_title(phase, fontsize=9)
         ax.legend(fontsize=8)
     fig.suptitle(f"vLLM serving throughput, {rs[0]['shape']['model']} — {meta['gpu']} "
@@ -115,9 +119,7 @@ def chart_yoco(rs: list[dict], meta: dict, out: Path) -> Path:
                      width, hatch=hatch, label=f"{v} reuse {mode}", color=f"C{i}",
                      alpha=0.55 + 0.45 * j)
     for ax, what in ((ax_t, "µs per step (median, eager)"), (ax_n, "CUDA kernels per step")):
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
-        ax.set_ylabel(what)
+        _x_labels(ax, labels, what)
         ax.set_yscale("log")
         ax.legend(fontsize=7)
     fig.suptitle(f"DeepSeek-V4.1 attention, 40 layers, cross-layer metadata reuse — {meta['gpu']} "

@@ -61,6 +61,7 @@ RUN_TIMEOUT_S = int(os.environ.get("E2E_RUN_TIMEOUT", "420"))
 # the free-memory comparison of its profile run, so engines start side by side without the
 # start-up lock (run.py) and without staggering.
 AGREE_KV_GIB = 4.0
+QUICK_LENS = (7, 300, 1500, 5000)   # --quick: agreement (and reference) prompt lengths
 _DEADLINE = [float("inf")]   # time.time() after which no run starts and running ones stop
 
 
@@ -120,12 +121,10 @@ def _out(work: Path, name: str, mode: str, form: str) -> Path:
     return work / f"{name}-{mode}-agree-{form}.json"
 
 
-def run_job(work: Path, name: str, mode: str, form: str, extra=()) -> Path | None:
+def run_job(work: Path, name: str, mode: str, form: str, extra=(), lens=None) -> Path | None:
     """One agreement engine: form "eager", "graphs" (vLLM's defaults) or "nocompile" (eager
     with vLLM's JIT warmup on, and the audit of what compiles while serving)."""
-    if form.startswith("reference"):
-        lens = [int(v) for v in extra[extra.index("--lens") + 1:][:4]] if "--lens" in extra \
-            else None
+    if form.startswith("reference"):  # lens: the agreement prompts' (None: run.py's default)
         return run_reference(work, name, form.endswith("kvfp8"), lens)
     if form != "nocompile":
         return run_mode(work, name, mode, "agree", form == "eager", extra)
@@ -194,8 +193,9 @@ def main() -> int:
     if not args.profile_memory:
         agree_extra += ["--kv-cache-gib", str(AGREE_KV_GIB)]
     stagger = STAGGER_S if args.profile_memory else 0
+    lens = QUICK_LENS if args.quick else None
     if args.quick:
-        agree_extra += ["--lens", "7", "300", "1500", "5000", "--gen", "16"]
+        agree_extra += ["--lens", *map(str, QUICK_LENS), "--gen", "16"]
 
     if "ckpt" in steps:
         make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()),
@@ -227,11 +227,11 @@ def main() -> int:
         # Staggered starts (--profile-memory only): an engine profiling its memory while
         # another one frees memory trips vLLM's memory-profiling check.
         time.sleep(stagger * (i % args.parallel) if i < args.parallel else 0)
-        return j, run_job(work, *j, agree_extra)
+        return j, run_job(work, *j, agree_extra, lens)
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
         outs = list(pool.map(job, enumerate(jobs)))
     if args.profile_memory:  # a run that failed beside others is tried once more alone
-        outs = [(j, p or run_job(work, *j, agree_extra)) for j, p in outs]
+        outs = [(j, p or run_job(work, *j, agree_extra, lens)) for j, p in outs]
     not_done = [f"{n}/{m}/{form}" for (n, m, form), p in outs if not p]
     tput_outs = []
     if "tput" in steps:
