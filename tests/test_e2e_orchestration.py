@@ -71,9 +71,9 @@ def test_each_run_once_in_priority_order(monkeypatch, tmp_path):
                                         "--parallel", "1"], _fake_run({}, started))
     stems = [s for s, _, _ in started]
     assert len(stems) == len(set(stems)), "a run was started twice"
-    # 6 eager agreement + 4 graphs (a100, upstream) + 6 reuse-off/rerun + 2 nocompile
-    # + 2 sm90 graphs
-    assert len(stems) == 20
+    # 6 eager agreement + 4 graphs (a100, upstream) + 10 sorted-top-k reuse on/off/rerun
+    # + 2 nocompile + 2 sm90 graphs
+    assert len(stems) == 24
     assert stems[:6] == [f"{n}-{m}-agree-eager" for n in e2e.AGREE_MODELS for m in e2e.MODES]
     assert stems[-2:] == [f"{n}-sm90-agree-graphs" for n in e2e.AGREE_MODELS]
     assert all(kv for _, kv, _ in started), "agreement engines get a fixed KV cache size"
@@ -82,7 +82,8 @@ def test_each_run_once_in_priority_order(monkeypatch, tmp_path):
         f"{n}-a100-nocompile" for n in e2e.AGREE_MODELS}
     kinds = {(r["kernel"], r["variant"]) for r in out["rows"]}
     assert ("e2e_agreement", "a100_vs_upstream") in kinds
-    assert ("yoco_e2e", "a100_vs_a100_noyoco") in kinds
+    assert ("yoco_e2e", "a100_det_vs_a100_det_noyoco") in kinds
+    assert ("yoco_e2e", "a100_det_vs_a100_det_rerun") in kinds
     assert ("zero_compile", "a100") in kinds
     assert out["meta"]["failed_runs"] == []
 
@@ -124,7 +125,7 @@ def test_existing_outputs_are_not_run_again(monkeypatch, tmp_path):
                 _fake_run({}, started))
     again = [s for s, _, _ in started[first:]]
     assert sorted(again) == sorted(f"{n}-{m}-agree-eager" for n in e2e.AGREE_MODELS
-                                   for m in ("a100_noyoco", "sm90_noyoco", "a100_rerun"))
+                                   for m in e2e.YOCO_MODES)
     assert any(r["kernel"] == "yoco_e2e" and r["identical"] for r in out["rows"])
 
 
@@ -168,3 +169,29 @@ def test_reference_runs_beside_the_engines_and_lands_in_the_results(monkeypatch,
     checks = [r for r in res["rows"] if r["kernel"] == "e2e_reference_check"]
     assert {r["shape"]["reference"] for r in checks} == {"fp32_reference"}
     assert len(checks) == 4 and all(r["passed"] for r in checks)
+
+
+def test_reference_check_judges_each_engine_by_all_its_runs(tmp_path):
+    """The V4.1 case of the 5f462a5 run in miniature: a100's eager run is a little further
+    from the reference than upstream's eager run, beyond upstream's own spread (the first form
+    of the rule fails), but a100's CUDA-graph run is closer than upstream's: over both runs
+    a100 is within upstream's own run-to-run spread."""
+    ref = _agree("fp32_reference", [(1, -1.0), (2, -2.0)])
+    json.dump(ref, open(tmp_path / "v41-mini-ref.json", "w"))
+    runs = {("v41-mini", "upstream", True): _agree("upstream", [(1, -1.10), (2, -2.0)]),
+            ("v41-mini", "upstream", False): _agree("upstream", [(1, -1.14), (2, -2.0)]),
+            ("v41-mini", "a100", True): _agree("a100", [(1, -1.16), (2, -2.0)]),
+            ("v41-mini", "a100", False): _agree("a100", [(1, -1.09), (2, -2.0)])}
+    (check,) = [r for r in e2e.reference_rows(tmp_path, runs)
+                if r["kernel"] == "e2e_reference_check"]
+    assert check["passed_eager_only"] is False
+    assert check["margin"]["max_abs_dlogprob"] == pytest.approx(0.04)
+    assert check["a100_spread"]["max_abs_dlogprob"] == pytest.approx(0.07)
+    assert check["a100"]["max_abs_dlogprob"] == pytest.approx(0.125)
+    assert check["upstream"]["max_abs_dlogprob"] == pytest.approx(0.12)
+    assert check["passed"] is True
+    # Further than upstream's spread allows (a100's own wider spread does not widen it).
+    runs[("v41-mini", "a100", False)] = _agree("a100", [(1, -1.30), (2, -2.0)])
+    (check,) = [r for r in e2e.reference_rows(tmp_path, runs)
+                if r["kernel"] == "e2e_reference_check"]
+    assert check["passed"] is False

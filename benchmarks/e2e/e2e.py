@@ -11,9 +11,10 @@
 3. graphs  the same for a100 and upstream with vLLM's default torch.compile + CUDA graphs.
 4. tput    decode tokens/s (batch 1, 8, 32, 64) and prefill tokens/s (1K, 8K, 32K) on the
            throughput config, one process per mode.
-5. yoco     each model, eager, with cross-layer reuse off (a100_noyoco, sm90_noyoco) and a
-           second a100 run (a100_rerun): greedy tokens and logprobs must equal the reuse-on
-           runs (rows kernel="yoco_e2e"; the rerun pair is the run-to-run floor).
+5. yoco     each model, eager, with the indexer's top-k rows sorted (run.py's *_det modes):
+           cross-layer reuse off (a100_det_noyoco, sm90_det_noyoco) and a second a100 run
+           (a100_det_rerun): greedy tokens and logprobs must equal the reuse-on runs (rows
+           kernel="yoco_e2e"; the rerun pair is the run-to-run floor).
 6. nocompile  each model in the a100 mode, eager but with vLLM's JIT warmup on
            (run.py --jit-warmup --audit): after the warmup, the served requests (chunked
            prefill, decode, mixed batches, every compress ratio) must compile no Triton or
@@ -52,6 +53,14 @@ MODELS = {
 AGREE_MODELS = ("v41-mini", "v4-mini")
 TPUT_MODEL = "v41-tput"
 MODES = ("a100", "sm90", "upstream")
+# --steps yoco: reuse on against off, and the run-to-run floor (a second a100 run), all with
+# the indexer's top-k rows sorted (run.py's *_det modes): without that, two runs of one
+# engine already differ (docs/yoco.md). Pairs of the unsorted modes from earlier runs in the
+# work folder are reported too.
+YOCO_MODES = ("a100_det", "a100_det_noyoco", "a100_det_rerun", "sm90_det", "sm90_det_noyoco")
+YOCO_PAIRS = (("a100_det", "a100_det_noyoco"), ("sm90_det", "sm90_det_noyoco"),
+              ("a100_det", "a100_det_rerun"),
+              ("a100", "a100_noyoco"), ("sm90", "sm90_noyoco"), ("a100", "a100_rerun"))
 # Tolerances (docs/e2e.md says why): teacher-forced prompt positions.
 TOL = {"min_top1_agree": 0.98, "max_abs_dlogprob": 0.25}
 STAGGER_S = 25
@@ -212,8 +221,7 @@ def main() -> int:
     if "graphs" in steps:
         jobs += [(n, m, "graphs") for n in AGREE_MODELS for m in ("a100", "upstream")]
     if "yoco" in steps:
-        jobs += [(n, m, "eager") for n in AGREE_MODELS
-                 for m in ("a100", "sm90", "a100_noyoco", "sm90_noyoco", "a100_rerun")]
+        jobs += [(n, m, "eager") for n in AGREE_MODELS for m in YOCO_MODES]
     if "nocompile" in steps:
         jobs += [(n, "a100", "nocompile") for n in AGREE_MODELS]
     if "reference" in steps:
@@ -276,11 +284,34 @@ def _restrict(run: dict, lens) -> dict:
     return dict(run, prompts=[p for p in run["prompts"] if p["prompt_len"] in lens])
 
 
+METRICS = ("top1_agree", "max_abs_dlogprob", "mean_abs_dlogprob")
+
+
+def _no_further(a: dict, up: dict, margin: dict) -> bool:
+    """``a`` no further from the reference than ``up``, within ``margin`` (per metric)."""
+    return (a["top1_agree"] >= up["top1_agree"] - margin["top1_agree"]
+            and a["max_abs_dlogprob"] <= up["max_abs_dlogprob"] + margin["max_abs_dlogprob"]
+            and a["mean_abs_dlogprob"] <= up["mean_abs_dlogprob"] + margin["mean_abs_dlogprob"])
+
+
+def _runs_mean(ps: list[dict]) -> dict:
+    return {k: sum(p[k] for p in ps) / len(ps) for k in METRICS}
+
+
+def _spread(ps: list[dict]) -> dict:
+    return {k: max(p[k] for p in ps) - min(p[k] for p in ps) for k in METRICS}
+
+
 def reference_rows(work: Path, runs: dict) -> list[dict]:
     """Each run against the fp32 reference, and per model the check the issue states: the
-    a100 mode is no further from the reference than upstream's path. The margin is the
-    spread of upstream's own runs (eager and CUDA graphs) against the same reference: two
-    runs of upstream differ by that much, so a difference within it is not a finding."""
+    a100 mode is no further from the reference than upstream's path.
+
+    Each engine is judged by the mean of its runs (eager and CUDA graphs, those present) and
+    the margin is the spread between upstream's own runs: the engines are not deterministic
+    run to run (upstream's top-k kernels order their output by atomics; docs/e2e.md), so one
+    run is one draw, and a difference within what upstream shows against itself is not a
+    finding. (a100's own spread is reported, not used: a noisier a100 gets no wider margin.) ``passed_eager_only`` keeps the first form of
+    the rule (a100 eager against upstream eager, margin upstream's own spread) beside it."""
     rows = []
     for name in AGREE_MODELS:
         for kv_fp8 in (False, True):
@@ -301,25 +332,26 @@ def reference_rows(work: Path, runs: dict) -> list[dict]:
                                  top1_agree=p["top1_agree"],
                                  max_abs_dlogprob=p["max_abs_dlogprob"],
                                  mean_abs_dlogprob=p["mean_abs_dlogprob"], detail=p))
-            a, up = got.get(("a100", True)), got.get(("upstream", True))
-            if not (a and up):
+            a_runs = [got[("a100", e)] for e in (True, False) if ("a100", e) in got]
+            up_runs = [got[("upstream", e)] for e in (True, False) if ("upstream", e) in got]
+            if not (a_runs and up_runs):
                 continue
-            up_g = got.get(("upstream", False))
-            margin = {k: abs(up[k] - up_g[k]) if up_g else 0.0
-                      for k in ("top1_agree", "max_abs_dlogprob", "mean_abs_dlogprob")}
-            ok = (a["top1_agree"] >= up["top1_agree"] - margin["top1_agree"]
-                  and a["max_abs_dlogprob"] <= up["max_abs_dlogprob"] + margin["max_abs_dlogprob"]
-                  and a["mean_abs_dlogprob"] <= up["mean_abs_dlogprob"]
-                  + margin["mean_abs_dlogprob"])
+            a, up = _runs_mean(a_runs), _runs_mean(up_runs)
+            spread_a, spread_up = _spread(a_runs), _spread(up_runs)
+            margin = spread_up
+            eager_only = None
+            if ("a100", True) in got and ("upstream", True) in got:
+                eager_only = _no_further(got[("a100", True)], got[("upstream", True)], spread_up)
             rows.append(dict(kernel="e2e_reference_check", variant="a100_vs_upstream",
                              shape=dict(model=name, reference=ref["mode"],
                                         prompt_lens=sorted(lens)),
-                             passed=ok, a100={k: a[k] for k in margin},
-                             upstream={k: up[k] for k in margin},
-                             upstream_graphs=None if not up_g else {k: up_g[k] for k in margin},
-                             margin=margin,
-                             rule="a100 no further from the reference than upstream (eager), "
-                                  "within the spread of upstream's eager and CUDA-graph runs"))
+                             passed=_no_further(a, up, margin), a100=a, upstream=up,
+                             a100_runs=len(a_runs), upstream_runs=len(up_runs),
+                             a100_spread=spread_a, upstream_spread=spread_up, margin=margin,
+                             passed_eager_only=eager_only,
+                             rule="a100 no further from the reference than upstream, each the "
+                                  "mean of its eager and CUDA-graph runs, within the spread of "
+                                  "upstream's own runs"))
     return rows
 
 
@@ -351,7 +383,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                                      top1_agree=p["top1_agree"],
                                      max_abs_dlogprob=p["max_abs_dlogprob"], detail=p,
                                      spread=compare.spread(got[a]), tolerance=TOL))
-        for on, off in (("a100", "a100_noyoco"), ("sm90", "sm90_noyoco"), ("a100", "a100_rerun")):
+        for on, off in YOCO_PAIRS:
             a, b = runs.get((name, on, True)), runs.get((name, off, True))
             if a and b:
                 p = compare.pair(a, b)

@@ -15,6 +15,9 @@ Modes (the overlay must be installed into the vLLM this python imports):
             (on Hopper: FlashMLA + DeepGEMM).
   a100_noyoco, sm90_noyoco   the same with cross-layer reuse off (DEEPINFER_YOCO_REUSE=0)
   a100_rerun                 a100 again (run-to-run floor)
+  a100_det, sm90_det, a100_det_noyoco, sm90_det_noyoco, a100_det_rerun
+                             the same with the indexer's top-k rows sorted
+                             (DEEPINFER_SORTED_TOPK=1: a run-to-run identical key order)
 Tasks:
   agree     greedy generation with top-K logprobs of prompt and generated tokens
   tput      decode tokens/s at several batch sizes and prefill tokens/s at several lengths
@@ -38,6 +41,16 @@ MODES = {
                     "DEEPINFER_YOCO_REUSE": "0"},
     "a100_rerun": {"DEEPINFER_EMULATE_CAPABILITY": "8.0"},
 }
+# The same comparisons with the indexer's top-k rows sorted (DEEPINFER_SORTED_TOPK=1, a test
+# switch): upstream's top-k kernels order their output by atomics, so two runs of one engine
+# sum the same keys in different orders and, through the next layers' top-k, drift apart
+# (the 4ab26c8 run: a100 against a100_rerun, 0.943 top-1). Sorted, the rerun pair shows
+# whether the engine is deterministic, and the reuse on/off pairs can be held to identity.
+for _m in ("a100", "sm90", "a100_noyoco", "sm90_noyoco", "a100_rerun"):
+    _base, _, _rest = _m.partition("_")
+    MODES[f"{_base}_det{'_' + _rest if _rest else ''}"] = dict(MODES[_m],
+                                                               DEEPINFER_SORTED_TOPK="1")
+del _m, _base, _rest
 # Prompt lengths for agreement: a short one, one past the 128-token SWA window, one whose
 # compressed context (ratio 1: L, ratio 2: L/2 entries) exceeds top-k 512 so the indexer
 # selects, and long ones that chunked prefill splits (max_num_batched_tokens below).

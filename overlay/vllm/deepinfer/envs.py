@@ -109,6 +109,9 @@ VARIABLES: dict[str, str] = {
     "DEEPINFER_COMMIT": "benchmarks: the commit recorded in results when git cannot tell",
     "DEEPINFER_EMULATE_CAPABILITY": "test-only: vLLM sees this capability (e.g. 8.0) on any "
                                     "GPU, the A100-faithful mode (vllm.deepinfer.emulate)",
+    "DEEPINFER_SORTED_TOPK": "test-only: 1 sorts each indexer top-k row after selection "
+                             "(upstream's top-k kernels place entries by atomics, so their "
+                             "order, and the attention's summation order, vary run to run)",
 }
 
 PREFIX = "DEEPINFER_"

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm.deepinfer import arch, routing, yoco
+from vllm.deepinfer import arch, routing, sorted_topk, yoco
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
@@ -108,6 +108,8 @@ class DeepinferAmpereSparseAttnIndexer(SparseAttnIndexer):
         self.dense_mha_metadata_layer_name = ""
         vllm_config = get_current_vllm_config()
         parallel_config = vllm_config.parallel_config
+        # Test-only (vllm.deepinfer.sorted_topk): read once, so compiled graphs see a constant.
+        self._sorted_topk = sorted_topk.enabled()
         self.topk_backend = vllm_config.kernel_config.sparse_indexer_topk_backend
         self._parallel_config = parallel_config
         self.dcp_world_size = parallel_config.decode_context_parallel_size
@@ -136,7 +138,10 @@ class DeepinferAmpereSparseAttnIndexer(SparseAttnIndexer):
             _UNPACK_SEQ_TRITON_KERNEL.register_warmup()
 
     def _score(self, hidden_states, q_quant, k, weights):
-        return SparseAttnIndexer.forward_cuda(self, hidden_states, q_quant, k, weights)
+        out = SparseAttnIndexer.forward_cuda(self, hidden_states, q_quant, k, weights)
+        if self._sorted_topk:
+            sorted_topk.sort_rows_(self.topk_indices_buffer[: hidden_states.shape[0]])
+        return out
 
     forward_native = _score
     forward_cuda = _score
