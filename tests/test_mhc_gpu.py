@@ -102,7 +102,10 @@ def test_first_layer_without_deep_gemm(monkeypatch, t, hidden):
     assert torch.equal(ours[0], up[0])
     for o, u, tol in zip(ours[1:3], up[1:3], (COEF_ATOL, COEF_ATOL)):
         torch.testing.assert_close(o, u, rtol=0, atol=tol)
-    torch.testing.assert_close(ours[3].float(), up[3].float(), rtol=0, atol=INPUT_ATOL)
+    # The layer input is bf16 and the two projections sum in different orders: a few
+    # elements round to a neighbour. The H200 run at d80f014 saw 0.03125 at |x| ~ 2.2 (two
+    # bf16 ulps there) against an absolute 0.03; allow two ulps relative (2^-6) besides it.
+    torch.testing.assert_close(ours[3].float(), up[3].float(), rtol=2.0 ** -6, atol=INPUT_ATOL)
     err = lambda a, b: float((a.float() - b.float()).abs().max())  # noqa: E731
     print(f"T={t} hidden={hidden}: post err ours {err(ours[1], want[1]):.2e} deepgemm "
           f"{err(up[1], want[1]):.2e}; comb ours {err(ours[2], want[2]):.2e} deepgemm "
@@ -178,7 +181,12 @@ def test_fused_post_pre_delayed_ampere(ampere, t, hidden):
     # same order; allow one bf16 ulp in case nvcc contracts them differently.
     torch.testing.assert_close(our[0].float(), up[0].float(), rtol=2.0 ** -8, atol=1e-6)
     for i in (1, 2, 4):
-        torch.testing.assert_close(our[i], want[i], rtol=0, atol=COEF_ATOL)
+        # No further from the fp32 reference than upstream's own fused kernel (up to 4.7e-3
+        # at hidden 4096 in the H200 run of this test at d80f014, where ours is upstream's
+        # kernel below TC_MIN_TOKENS), and within COEF_ATOL where upstream is closer.
+        err = lambda a, b: float((a.float() - b.float()).abs().max())  # noqa: E731
+        assert err(our[i], want[i]) <= max(COEF_ATOL, err(up[i], want[i])), (
+            i, err(our[i], want[i]), err(up[i], want[i]))
         torch.testing.assert_close(our[i], up[i], rtol=0, atol=COEF_ATOL)
     torch.testing.assert_close(our[3].float(), want[3].float(), rtol=0, atol=INPUT_ATOL)
 

@@ -279,3 +279,26 @@ def test_the_oracle_sees_a_specialization_change():
     assert key_of(k, [x, 64], {}) != key_of(k, [x[1:], 64], {})  # 16-byte alignment
     assert key_of(k, [torch.float32, 16], {}) == key_of(k, [x, 64], {})  # warmup form
     assert key_of(k, [x, 64], {"num_warps": 4}) != key_of(k, [x, 64], {})  # options count
+
+
+# ----------------------------------------------------------------------------- V4 writers
+@pytest.mark.parametrize("variant", ("sm80",))
+def test_v4_compressor_writer_launches_are_warmed(variant, gpu_like):
+    """V4's compressor writers (fp8_sw, on for the Ampere variants) at C4A and C128A, and the
+    C4A indexer's: the H200 nocompile run at d80f014 compiled the C128A writer while serving
+    (vLLM's load had not launched it)."""
+    from test_fp8_writers_v4_compress import H128, H512, _run_ours, _scenario
+    shapes = next(s for s in _models(variant) if s.model == "v4")
+    warm = _warm_keys(shapes, variant)
+    with recording(CC[variant]) as seen:
+        gpu_like(108)
+        # (head, ratio, overlap, state rows per page, cache entries per page)
+        for head, cr, ov, sb, kb in ((H512, 4, True, 4, 64), (H512, 128, False, 8, 2),
+                                     (H128, 4, True, 4, 64)):
+            _run_ours(_scenario(head, cr, ov, sb, kb, seed=cr), variant)
+    assert {k.fn.__name__ for k, _ in seen} == {"_compress_sparse_attn_kernel",
+                                                "_compress_indexer_kernel"}
+    assert not _uncovered(seen, warm), "\n".join(_uncovered(seen, warm))
+    # V4.1 lists no writer keys (its writers compiled during load in the same run).
+    v41 = next(s for s in _models(variant) if s.model == "v41")
+    assert not wu._writer_keys(v41, variant, 108)

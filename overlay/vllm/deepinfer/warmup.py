@@ -254,6 +254,35 @@ def _indexer_logits_keys(shapes: ModelShapes, variant: str, sm_count: int) -> li
             for c in il.compile_constexprs(variant, shapes.index_heads)]
 
 
+def _writer_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
+    """V4's compressor writers (feature fp8_sw): the attention KV row of each compressed
+    ratio and the C4A indexer's K row. Upstream's compressor launches them only for tokens
+    that complete a compression window, so vLLM's profile and dummy runs need not compile
+    them: the H200 nocompile run at d80f014 (benchmarks/results/h200-2026-12-01-e2e-d80f014
+    .json, zero_compile) compiled the C128A writer while serving. V4.1's writers compiled
+    during load in the same run and are not listed."""
+    if shapes.model != "v4":
+        return []
+    from vllm.deepinfer import kv_record as rec
+    from vllm.deepinfer.kernels import fp8_writers_v4_compress as v4c
+    hw = arch.VARIANTS[variant].hw_fp8
+    keys = []
+    for r in sorted(r for r in shapes.compress_ratios if r > 1):
+        ov = r == 4  # upstream's overlap rule
+        c = dict(HEAD=v4c.SPARSE_ATTN_HEAD_DIM, STATE_WIDTH=(1 + ov) * v4c.SPARSE_ATTN_HEAD_DIM,
+                 COMPRESS_RATIO=r, OVERLAP=ov, ROPE=v4c.ROPE_HEAD_DIM, QBLOCK=rec.QUANT_BLOCK,
+                 DATA_BYTES=rec.DATA_BYTES, SCALE_BYTES=rec.SCALE_BYTES, HW_FP8=hw)
+        keys.append(WarmupKey("v4_compress_kv", tuple(sorted(c.items())),
+                              v4c._SPARSE_ATTN_WARPS[variant], None))
+        if r == 4 and shapes.topk > 0:  # the indexer lives on the C4A layers
+            c = dict(HEAD=v4c.INDEXER_HEAD_DIM, STATE_WIDTH=2 * v4c.INDEXER_HEAD_DIM,
+                     COMPRESS_RATIO=4, OVERLAP=True, ROPE=v4c.ROPE_HEAD_DIM,
+                     SCALE_BYTES=v4c.INDEXER_SCALE_BYTES, MX_SCALE=False, HW_FP8=hw)
+            keys.append(WarmupKey("v4_compress_indexer", tuple(sorted(c.items())),
+                                  v4c._INDEXER_WARPS[variant], None))
+    return keys
+
+
 def _serve_warmup_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     from vllm.deepinfer import warmup_upstream as wu
     keys = wu.ragged_keys(WarmupKey)
@@ -270,6 +299,7 @@ _KEYS: dict[str, Callable[[ModelShapes, str, int], list[WarmupKey]]] = {
     "sparse_mla_decode": _decode_keys,
     "sparse_mla_prefill": _prefill_keys,
     "indexer_logits": _indexer_logits_keys,
+    "fp8_sw": _writer_keys,
     "serve_warmup": _serve_warmup_keys,
 }
 
@@ -303,6 +333,10 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
     "indexer_logits": ("vllm.deepinfer.kernels.indexer_logits", "_logits_kernel", "_SIGNATURE"),
     "prefill": ("vllm.deepinfer.kernels.sparse_mla_prefill", "_sparse_mla_prefill_kernel",
                 "_SIG"),
+    "v4_compress_kv": ("vllm.deepinfer.kernels.fp8_writers_v4_compress",
+                       "_compress_sparse_attn_kernel", "_SIG"),
+    "v4_compress_indexer": ("vllm.deepinfer.kernels.fp8_writers_v4_compress",
+                            "_compress_indexer_kernel", "_SIG"),
 }
 
 

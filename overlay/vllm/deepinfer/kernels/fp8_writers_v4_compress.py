@@ -101,8 +101,12 @@ def _pool_and_norm(state, state_stride0, state_stride1, req, position, block_tab
 # compiled again while serving (benchmarks/results/h200-2026-12-01-e2e-4ab26c8.json,
 # zero_compile). Strides are multiples of 576 bytes: one "divisible by 16" build. The
 # entries per page (cache_block: 64 for C4A, 2 for C128A) are unspecialized too: the
-# 5f462a5 run still compiled C128A's 2-entry form while serving.
-@triton.jit(do_not_specialize=["num_slots", "block_size", "cache_block"])
+# 5f462a5 run still compiled C128A's 2-entry form while serving. The block table's row
+# stride (blocks per request: max_model_len over the state block size) varies with the
+# configuration, so it is unspecialized as in the indexer's kernel; and the C128A form, which
+# vLLM's load need not launch, is compiled by the JIT warmup (vllm.deepinfer.warmup,
+# _writer_keys; the d80f014 run compiled it while serving).
+@triton.jit(do_not_specialize=["num_slots", "block_size", "cache_block", "block_table_stride"])
 def _compress_sparse_attn_kernel(
     state, state_stride0, state_stride1,
     token_to_req, positions, state_slots, block_table, block_table_stride, block_size,
