@@ -195,3 +195,21 @@ def test_reference_check_judges_each_engine_by_all_its_runs(tmp_path):
     (check,) = [r for r in e2e.reference_rows(tmp_path, runs)
                 if r["kernel"] == "e2e_reference_check"]
     assert check["passed"] is False
+
+
+def test_recheck_rebuilds_the_check_from_a_results_file(tmp_path):
+    """--recheck: the per-run distances of an earlier file give the same check row as the
+    runs themselves."""
+    ref = _agree("fp32_reference", [(1, -1.0), (2, -2.0)])
+    json.dump(ref, open(tmp_path / "v41-mini-ref.json", "w"))
+    runs = {("v41-mini", "upstream", True): _agree("upstream", [(1, -1.10), (2, -2.0)]),
+            ("v41-mini", "upstream", False): _agree("upstream", [(1, -1.14), (2, -2.0)]),
+            ("v41-mini", "a100", True): _agree("a100", [(1, -1.16), (2, -2.0)]),
+            ("v41-mini", "a100", False): _agree("a100", [(1, -1.09), (2, -2.0)])}
+    rows = e2e.reference_rows(tmp_path, runs)
+    f = tmp_path / "old.json"
+    json.dump(dict(meta={}, rows=rows), open(f, "w"))
+    (again,) = e2e.recheck(f)
+    (check,) = [r for r in rows if r["kernel"] == "e2e_reference_check"]
+    assert again["source"] == "old.json"
+    assert {k: again[k] for k in check} == check

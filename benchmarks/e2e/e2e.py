@@ -192,7 +192,13 @@ def main() -> int:
                     help="agreement engines size their KV cache by vLLM's memory profiling "
                     "(then start-up is serialized by a lock and staggered) instead of a "
                     f"fixed {AGREE_KV_GIB:g} GiB")
+    ap.add_argument("--recheck", type=Path, default=None,
+                    help="apply the reference check to an earlier results file's "
+                    "e2e_vs_fp32_reference rows, print the rows as JSON and exit")
     args = ap.parse_args()
+    if args.recheck is not None:
+        print(json.dumps(recheck(args.recheck), indent=1))
+        return 0
     if args.deadline is not None:
         _DEADLINE[0] = time.time() + args.deadline
     work = Path(args.work)
@@ -332,27 +338,51 @@ def reference_rows(work: Path, runs: dict) -> list[dict]:
                                  top1_agree=p["top1_agree"],
                                  max_abs_dlogprob=p["max_abs_dlogprob"],
                                  mean_abs_dlogprob=p["mean_abs_dlogprob"], detail=p))
-            a_runs = [got[("a100", e)] for e in (True, False) if ("a100", e) in got]
-            up_runs = [got[("upstream", e)] for e in (True, False) if ("upstream", e) in got]
-            if not (a_runs and up_runs):
-                continue
-            a, up = _runs_mean(a_runs), _runs_mean(up_runs)
-            spread_a, spread_up = _spread(a_runs), _spread(up_runs)
-            margin = spread_up
-            eager_only = None
-            if ("a100", True) in got and ("upstream", True) in got:
-                eager_only = _no_further(got[("a100", True)], got[("upstream", True)], spread_up)
-            rows.append(dict(kernel="e2e_reference_check", variant="a100_vs_upstream",
-                             shape=dict(model=name, reference=ref["mode"],
-                                        prompt_lens=sorted(lens)),
-                             passed=_no_further(a, up, margin), a100=a, upstream=up,
-                             a100_runs=len(a_runs), upstream_runs=len(up_runs),
-                             a100_spread=spread_a, upstream_spread=spread_up, margin=margin,
-                             passed_eager_only=eager_only,
-                             rule="a100 no further from the reference than upstream, each the "
-                                  "mean of its eager and CUDA-graph runs, within the spread of "
-                                  "upstream's own runs"))
+            check = reference_check(got, dict(model=name, reference=ref["mode"],
+                                              prompt_lens=sorted(lens)))
+            if check:
+                rows.append(check)
     return rows
+
+
+def reference_check(got: dict, shape: dict) -> dict | None:
+    """The e2e_reference_check row from each run's distance to one reference: ``got`` maps
+    (mode, eager) to a dict with METRICS."""
+    a_runs = [got[("a100", e)] for e in (True, False) if ("a100", e) in got]
+    up_runs = [got[("upstream", e)] for e in (True, False) if ("upstream", e) in got]
+    if not (a_runs and up_runs):
+        return None
+    a, up = _runs_mean(a_runs), _runs_mean(up_runs)
+    spread_a, spread_up = _spread(a_runs), _spread(up_runs)
+    eager_only = None
+    if ("a100", True) in got and ("upstream", True) in got:
+        eager_only = _no_further(got[("a100", True)], got[("upstream", True)], spread_up)
+    return dict(kernel="e2e_reference_check", variant="a100_vs_upstream", shape=shape,
+                passed=_no_further(a, up, spread_up), a100=a, upstream=up,
+                a100_runs=len(a_runs), upstream_runs=len(up_runs),
+                a100_spread=spread_a, upstream_spread=spread_up, margin=spread_up,
+                passed_eager_only=eager_only,
+                rule="a100 no further from the reference than upstream, each the mean of its "
+                     "eager and CUDA-graph runs, within the spread of upstream's own runs")
+
+
+def recheck(results: Path) -> list[dict]:
+    """The reference check applied anew to the ``e2e_vs_fp32_reference`` rows of an earlier
+    results file (its runs' distances to each reference), e.g. after the rule changed."""
+    rows = json.load(open(results))["rows"]
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        if r["kernel"] != "e2e_vs_fp32_reference":
+            continue
+        s = r["shape"]
+        g = groups.setdefault((s["model"], s["reference"], tuple(s["prompt_lens"])), {})
+        g[(r["variant"], not s["cuda_graphs"])] = {k: r[k] for k in METRICS}
+    out = []
+    for (model, ref, lens), got in groups.items():
+        check = reference_check(got, dict(model=model, reference=ref, prompt_lens=list(lens)))
+        if check:
+            out.append(dict(check, source=Path(results).name))
+    return out
 
 
 def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:

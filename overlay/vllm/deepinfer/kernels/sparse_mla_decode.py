@@ -155,13 +155,22 @@ TILES: dict[str, Tile] = {
     # shared memory, stored once for both dots: with 2 stages the sm_80 build takes 33 KiB
     # (one stage: 48 KiB, the tile stored twice). Chosen with the A100 model over warps
     # {2, 4, 8} x stages {1, 2, 3} x keys {16, 32} within 48 KiB (docs/a100-model.md);
-    # 32 keys x 2 stages needs 49 KiB. Measured on the H200 only (PREDEQUANT_MIN_TOKENS).
-    "sm80-2p": Tile(block_h=16, block_n=16, num_warps=4, num_stages=2, ctas_per_sm=2,
-                    predequant=True, predequant_decode="e4b15"),
-    "sm86-2p": Tile(block_h=16, block_n=16, num_warps=4, num_stages=2, ctas_per_sm=2,
-                    predequant=True, predequant_decode="e4b15"),
-    "cpu-2p": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=1,
-                   predequant=True, predequant_decode="e4b15"),
+    # 32 keys x 2 stages needs 49 KiB. Then timed on the H200 by benchmarks/diag/
+    # sweep_decode_2p.py (benchmarks/results/h200-2026-12-01-decode-2p-sweep-3dcac6f.json,
+    # 64 heads, top-k 512 + window 128, each phase also timed alone): 2 warps, 2 stages
+    # (the 16 x 16 score tile is exactly two warps' n8 columns, so no QK^T mma is repeated,
+    # as in the prefill's Ampere tile) ran phase 2 in 84.0 / 100.4 us at 64 / 128 tokens
+    # where 4 warps took 98.8 / 205.5 (227 registers, no spill, 33,280 B on sm_80; the A100
+    # model also ranks it first: 132 vs 148 us at 64 tokens). Phase 1's "f16bits" decoder
+    # took 32.6 / 54.3 us against e4b15's 40.2 / 70.2 (the model: equal on an A100, 149.6
+    # vs 148.4 us); every decoder is exact, so outputs are the same bytes. The two choices
+    # were timed apart, not together; no A100 has run either.
+    "sm80-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=2,
+                    predequant=True, predequant_decode="f16bits"),
+    "sm86-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=2,
+                    predequant=True, predequant_decode="f16bits"),
+    "cpu-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=1, ctas_per_sm=1,
+                   predequant=True, predequant_decode="f16bits"),
     # Ada: hardware e4m3, mma.sync like Ampere (no wgmma), 100 KiB per SM: the Ampere tile
     # keeps two CTAs per SM. Not measured by this project.
     "sm89": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
