@@ -18,13 +18,15 @@ time total and phase 2, phase-1 candidates total and phase 1, the default row al
 
 Before timing, every candidate is compiled for sm_80 (GPUTarget("cuda", 80, 32), with the
 launch's specialization, tools/a100_model.py) and dropped if a kernel needs more than
-48 KiB of shared memory; the same build gives the A100 model's predictions (A100-40GB,
+48 KiB of shared memory (``--smem-limit`` to time larger ones on the H200 anyway); the
+same build gives the A100 model's predictions (A100-40GB,
 and its H200 prediction), written beside the measurements. Both run in worker processes;
 then the fitting candidates are compiled for the GPU in parallel (each worker launches
 them once), so the timed loop finds them in Triton's cache.
 
   python benchmarks/diag/sweep_decode_2p.py --out benchmarks/results/h200-DATE-decode-2p-sweep.json
   python benchmarks/diag/sweep_decode_2p.py --model-only --out FILE   # CPU: sm_80 + model
+  python benchmarks/diag/sweep_decode_2p.py --sm80-from FILE --out ...  # GPU, no sm_80 builds
   TRITON_INTERPRET=1 python benchmarks/diag/sweep_decode_2p.py --check  # CPU numerics
 
 One JSON line per measurement on stdout, a table at the end; ``--out`` writes
@@ -130,7 +132,9 @@ def sm80_figures(c: Cand, tokens_list=TOKENS) -> dict:
     os.environ.pop("TRITON_INTERPRET", None)
     import a100_model as am
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
-    am.CACHE = MODEL_CACHE / str(os.getpid())   # never the shared build/ directory
+    # Never the shared build/ directory; one folder per pool worker (no two processes
+    # write one cache file).
+    am.CACHE = MODEL_CACHE / f"w{(mp.current_process()._identity or (0,))[0]}"
     real_spec = am._spec
 
     def spec(name, **kw):   # phase 1's warps and keys per tile are not in the gate spec
@@ -248,7 +252,6 @@ def gpu_sweep(args, cands: list[Cand], sm80: dict) -> list[dict]:
     import torch
     from harness import Harness, max_abs_diff
     import suites.sparse_mla_decode as S
-    from vllm.deepinfer.kernels import sparse_mla_decode as smd
     t0 = time.time()
     if args.jobs > 1:
         jobs = [(cands[i::args.jobs], args.tokens) for i in range(min(args.jobs, len(cands)))]
@@ -261,6 +264,12 @@ def gpu_sweep(args, cands: list[Cand], sm80: dict) -> list[dict]:
     meta = dict(h.meta, heads=HEADS, topk=S.TOPK, window=S.WINDOW)
     print(json.dumps({"meta": meta}), flush=True)
     rows = []
+
+    def emit(r):   # print, and rewrite --out, after every row: a stopped run keeps them
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if args.out:
+            write_out(args.out, meta, sm80, rows)
     for tokens in args.tokens:
         keys = S.TOPK + S.WINDOW
         flops = 2 * 2 * tokens * HEADS * keys * 512
@@ -274,6 +283,7 @@ def gpu_sweep(args, cands: list[Cand], sm80: dict) -> list[dict]:
                     "tile": dataclasses.asdict(c)}
             fig = sm80.get(c.name, {})
             base["sm80_max_shared"] = fig.get("max_shared")
+            base["sm80_fits_48k"] = fig.get("fits_48k")
             base["pred_a100_40gb_us"] = fig.get("pred", {}).get(str(tokens), {}).get(
                 "a100_40gb", {}).get("us")
             with applied(c) as name:
@@ -281,18 +291,16 @@ def gpu_sweep(args, cands: list[Cand], sm80: dict) -> list[dict]:
                     got = S.ours(inputs[0], name)
                     torch.cuda.synchronize()
                     diff = max_abs_diff(got, ref)
-                    splits = smd.launch_plan(tokens, HEADS, float(keys), smd.TILES[name],
-                                             h.sm_count)[1]
+                    rec = [record_launches(inputs[i], name, outs[i])
+                           for i in range(len(inputs))]
+                    splits = rec[0][1][0][1][1]   # the attention grid's (heads, splits, tokens)
                     us = h.time_ring(S._replay, [
                         S._graph(lambda i=i: S.ours(inputs[i], name, out=outs[i]))
                         for i in range(len(inputs))])
                     r = dict(base, what="total", us=round(us, 3),
                              tflops=round(flops / us / 1e6, 1), max_abs_diff=diff,
                              splits=splits)
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
-                    rec = [record_launches(inputs[i], name, outs[i])
-                           for i in range(len(inputs))]
+                    emit(r)
                     # Phase 1 first: its graphs' first (eager) run fills the workspaces
                     # phase 2 reads.
                     for i in range(len(inputs)):
@@ -310,13 +318,11 @@ def gpu_sweep(args, cands: list[Cand], sm80: dict) -> list[dict]:
                             r["tflops"] = round(flops / us / 1e6, 1)
                             # The replayed launches must be the launcher's: same output.
                             r["replay_equal"] = bool(torch.equal(outs[0], got))
-                        rows.append(r)
-                        print(json.dumps(r), flush=True)
+                        emit(r)
                     del rec
                 except Exception as e:
                     r = dict(base, what="total", error=f"{type(e).__name__}: {str(e)[:200]}")
-                    rows.append(r)
-                    print(json.dumps(r), flush=True)
+                    emit(r)
         del inputs, outs
         torch.cuda.empty_cache()
     print(json.dumps({"gpu_sweep_s": round(time.time() - t0, 1)}), flush=True)
@@ -437,10 +443,16 @@ def main(argv=None) -> int:
     rows, meta = ([], {}) if args.model_only else gpu_sweep(args, run, sm80)
     print(table(cands, sm80, rows, args.smem_limit), flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"meta": meta, "sm80": sm80, "rows": rows},
-                                             indent=1) + "\n")
+        write_out(args.out, meta, sm80, rows)
     return 0
+
+
+def write_out(path, meta, sm80, rows) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "sm80": sm80, "rows": rows}, indent=1) + "\n")
+    tmp.replace(p)
 
 
 if __name__ == "__main__":
