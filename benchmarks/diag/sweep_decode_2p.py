@@ -248,7 +248,7 @@ def _warm(job):
     return errs
 
 
-def gpu_sweep(args, cands: list[Cand], sm80: dict) -> list[dict]:
+def gpu_sweep(args, cands: list[Cand], sm80: dict) -> tuple[list[dict], dict]:
     import torch
     from harness import Harness, max_abs_diff
     import suites.sparse_mla_decode as S
