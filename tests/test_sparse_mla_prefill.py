@@ -618,3 +618,87 @@ def test_sweep_loop_mix_reads_the_longest_loop():
     assert mix == {"HMMA": 1, "LDSM": 1, "LDGSTS": 1, "ISETP": 1}
     kq = sweep_prefill._per_kq({"loop_instructions": 480, "loop_mix": {"HMMA": 32}}, 16, 16, 4)
     assert kq == {"instructions": 480.0, "HMMA": 32.0}
+
+
+# ----------------------------------------------------------------------------- loop knobs
+@pytest.mark.parametrize("base,split_d,tau", [("sm80", 1, 8.0), ("sm80", 2, 8.0),
+                                              ("sm90", 1, 8.0), ("sm90", 1, 1.0)])
+def test_deferred_rescale_matches_the_reference(device, tile_rows, base, split_d, tau):
+    # Tile.rescale_tau (sweep_prefill.py's sm90-tau8): the running max moves only when a key
+    # tile passes it by more than tau (log2 units). The growing-maxima lists of
+    # test_forms_with_growing_maxima (some tiles pass the max by less than tau, so P runs
+    # above 1 with the stale max; others rescale), and random lists with invalid entries;
+    # same bound as the other tests.
+    name = tile_rows(f"test-tau-{base}-{split_d}-{tau}", base=base, split_d=split_d,
+                     num_warps=split_d if split_d > 1 else spm.TILES[base].num_warps,
+                     rescale_tau=tau)
+    rows = 64
+    grow = 1.5 ** (torch.arange(rows, dtype=torch.float32) / 8)
+    q, kv, idx, sink = make(9, tokens=3, heads=16, rows=rows, width=64, device=device,
+                            scale_rows=grow)
+    idx[:] = torch.arange(rows, dtype=torch.int32, device=device)
+    idx[1] = idx[1].flip(0)
+    lens = torch.tensor([64, 64, 41], dtype=torch.int32, device=device)
+    assert_close(run(q, kv, idx, lens, sink, name),
+                 reference(q, kv, key_lists(idx.cpu(), lens), sink))
+    q, kv, idx, sink = make(10, tokens=3, heads=16, rows=50, width=80, invalid=0.3,
+                            device=device)
+    lens = torch.tensor([80, 0, 37], dtype=torch.int32, device=device)
+    assert_close(run(q, kv, idx, lens, sink, name),
+                 reference(q, kv, key_lists(idx.cpu(), lens), sink))
+
+
+def test_deferred_rescale_keeps_the_zero_row_semantics(device, tile_rows):
+    # test_nan_and_inf_rows_give_zeros_as_upstream's case with the deferred rescale: NaN /
+    # inf keys zero the token, a NaN query zeroes the head; and rows without a valid key
+    # give zeros. Zeros in the same places as the shipped tile's.
+    name = tile_rows("test-tau-sem", base="sm90", rescale_tau=8.0)
+    q, kv, idx, sink = make(8, tokens=4, heads=16, rows=40, width=12, device=device)
+    idx[0, 3], idx[1, 5] = 7, 9
+    idx[2] = torch.where(idx[2] == 7, 8, idx[2])
+    idx[2] = torch.where(idx[2] == 9, 8, idx[2])
+    kv[7, 100] = float("nan")
+    kv[9, 460] = float("inf")
+    q[3, 4, 10] = float("nan")
+    lens = torch.full((4,), 12, dtype=torch.int32, device=device)
+    out = run(q, kv, idx, lens, sink, name).float().cpu()
+    assert not out.isnan().any()
+    assert torch.equal(out[:2], torch.zeros(2, 16, D))
+    assert torch.equal(out[3, 4], torch.zeros(D))
+    assert torch.equal(out == 0, run(q, kv, idx, lens, sink, "sm90").float().cpu() == 0)
+    ref = reference(q[2:3], kv, key_lists(idx[2:3].cpu(), lens[2:3]), sink)
+    assert excess(out[2:3].to(torch.bfloat16), ref) <= 0
+    idx[1] = -1
+    lens[0] = 0
+    out = run(q, kv, idx, lens, sink, name).float().cpu()
+    assert torch.equal(out[:2], torch.zeros(2, 16, D))
+
+
+def test_loop_knob_defaults_and_constexprs():
+    # The shipped tiles leave every key-loop knob off; 0 is passed to tl.range as None.
+    for name, t in spm.TILES.items():
+        assert (t.warp_spec, t.unroll, t.loop_stages, t.rescale_tau) == (False, 0, 0, 0.0), name
+    c = spm.gate_constexprs(spm.TILES["sm90"])
+    assert (c["WARP_SPEC"], c["UNROLL"], c["LOOP_STAGES"], c["RESCALE_TAU"]) == (
+        False, None, None, 0.0)
+    c = spm.gate_constexprs(spm.Tile(64, 64, 8, 2, unroll=2, loop_stages=3, rescale_tau=8))
+    assert (c["UNROLL"], c["LOOP_STAGES"], c["RESCALE_TAU"]) == (2, 3, 8.0)
+
+
+def test_sweep_candidates_and_what_it_times():
+    """sweep_prefill.py: unique candidate names, --sm90-only keeps the wgmma family, and the
+    timing skips candidates the gate rejected or found identical to an earlier one."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "diag"))
+    import sweep_prefill as sp
+    names = [n for n, _, _ in sp.CANDIDATES]
+    assert len(names) == len(set(names))
+    assert sp.CANDIDATES_BY_NAME["sm90"] == spm.TILES["sm90"]
+    assert all(n.startswith("sm90") and t == (90,) for n, _, t in sp._candidates(True))
+    gate = [{"name": "a", "cc": 90, "within_hopper_budget": True},
+            {"name": "b", "cc": 90, "same_sass_as": "a"},
+            {"name": "c", "cc": 90, "error": "PTXASError: ..."},
+            {"name": "d", "cc": 90, "within_hopper_budget": False},
+            {"name": "e", "cc": 80}, {"name": "e", "cc": 86}]
+    assert [n for n in "abcdef" if sp._timed(gate, n, (90,))] == ["a", "e"]

@@ -3,6 +3,7 @@
 
     python3 benchmarks/diag/sweep_prefill.py --gate-only [--out F.json]   # CPU: no GPU needed
     python3 benchmarks/diag/sweep_prefill.py [--out F.json]               # GPU: gate + timings
+    python3 benchmarks/diag/sweep_prefill.py --sm90-only [--out F.json]   # the wgmma tiles only
 
 ``--gate-only`` compiles every candidate tile (and upstream's kernel, specialized as Triton
 specializes it at runtime: 16-byte aligned pointers, strides divisible by 16, unit strides
@@ -18,18 +19,27 @@ timed as the sparse_mla_prefill suite times ours (CUDA graph, input ring) at thr
 T=2048 new tokens after 64K, top-k 512 + window 128, 64 and 128 heads; T=512 after 1M, top-k
 8192 (c128a). Output: one JSON line per measurement, a summary table, and the best row per
 family (mma.sync tiles for sm80/sm86, wgmma tiles for sm90) as a ``TILES`` line.
+``--sm90-only``: the sm90 candidates and upstream, gated for sm_90 and timed (on an H200 the
+run is mostly startup; each candidate x shape is one compile and one CUDA-graph timing).
+Candidates whose sm_90 SASS is identical to an earlier candidate's are gated but not timed
+(``same_sass_as``), and so are those the gate rejects (compile error, shared memory over the
+227 KiB an sm_90 block may take).
 docs/sparse-mla-prefill.md says how the shipped tiles were chosen.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import hashlib
+import io
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,11 +62,28 @@ CANDIDATES = [
     ("sm90-n32-s2", T(64, 32, 8, 2), (90,)),
     ("sm90-n16-s3", T(64, 16, 8, 3), (90,)),
     ("sm90-n64-s1", T(64, 64, 8, 1), (90,)),
+    # The key-loop knobs (Tile's warp_spec .. rescale_tau) and warp counts the sweep of
+    # 4ab26c8 did not try. Triton 3.6 on sm_90 (the gate's findings): warp_spec and
+    # loop_stages=2 give the shipped tile's SASS unchanged (Triton's automatic warp
+    # specialization does not transform this loop on Hopper; the kernel's 2 stages already
+    # pipeline the loop); unroll=2 needs 332 KiB and spills; 12 warps is refused (powers of 2
+    # only); 128 heads x 32 keys on 16 warps fails in ptxas (wgmma needs 158 registers, 16
+    # warps allow 128). Those stay as gate-only rows.
+    ("sm90-tau8", T(64, 64, 8, 2, rescale_tau=8.0), (90,)),
+    ("sm90-ls3", T(64, 64, 8, 2, loop_stages=3), (90,)),
+    ("sm90-w4", T(64, 64, 4, 2), (90,)),
+    ("sm90-w16", T(64, 64, 16, 2), (90,)),
+    ("sm90-ws", T(64, 64, 8, 2, warp_spec=True), (90,)),
+    ("sm90-ls2", T(64, 64, 8, 2, loop_stages=2), (90,)),
+    ("sm90-u2", T(64, 64, 8, 2, unroll=2), (90,)),
+    ("sm90-h128-n32-w16", T(128, 32, 16, 2), (90,)),
 ]
 # Shared memory an Ampere build may use (arch.VARIANTS["sm80"].smem_budget).
 AMPERE_BUDGET = 48 * 1024
+# The most an sm_90 block may take (arch.VARIANTS["sm90"]'s budget).
+HOPPER_BUDGET = 227 * 1024
 MIX = ("HMMA", "HGMMA", "LDSM", "LDS", "STS", "LDG", "LDGSTS", "BAR", "MUFU", "FMUL", "FADD",
-       "IMAD", "LEA", "ISETP", "SEL", "SHFL")
+       "IMAD", "LEA", "ISETP", "SEL", "SHFL", "STL", "LDL")
 
 
 def _cuobjdump() -> str:
@@ -92,8 +119,12 @@ def _resources(cubin: bytes) -> dict:
                               timeout=120).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", ru)
     n, mix = _loop_mix(sass)
+    # A digest of the instructions alone (no names, addresses or encodings): equal digests
+    # mean the same machine code, so the timing skips the later candidate.
+    body = "\n".join(t.strip() for t in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass))
     return {"regs": int(m.group(1)) if m else None, "stack": int(m.group(2)) if m else None,
-            "loop_instructions": n, "loop_mix": mix}
+            "loop_instructions": n, "loop_mix": mix,
+            "sass_sha": hashlib.sha256(body.encode()).hexdigest()[:16]}
 
 
 def _per_kq(rec: dict, block_h: int, block_n: int, warps: int) -> dict:
@@ -113,13 +144,20 @@ def gate_ours(name: str, tile, cc: int) -> dict:
                     num_warps=tile.num_warps, num_stages=tile.num_stages)
     rec = {"name": name, "cc": cc, "tile": list(tile.__dict__.values())}
     try:
-        k = compile_spec(spec, cc)
+        # (a ptxas failure prints the whole PTX to stdout: kept out of the sweep's output)
+        with contextlib.redirect_stdout(io.StringIO()):
+            k = compile_spec(spec, cc)
     except Exception as e:  # a candidate that does not compile is a result, not a crash
-        return {**rec, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"}
+        lines = str(e).strip().splitlines() or [""]
+        # ptxas's message ends with its repro command; its "fatal" line says why.
+        why = next((ln for ln in lines if "ptxas fatal" in ln), lines[-1]).strip()
+        return {**rec, "error": f"{type(e).__name__}: {why[:200]}"}
     rec.update(shared=int(k.metadata.shared), **_resources(k.asm["cubin"]))
     rec["per_kq"] = _per_kq(rec, tile.block_h, tile.block_n, tile.num_warps)
     if cc < 89:
         rec["within_ampere_budget"] = rec["shared"] <= AMPERE_BUDGET
+    if cc == 90:
+        rec["within_hopper_budget"] = rec["shared"] <= HOPPER_BUDGET
     return rec
 
 
@@ -150,12 +188,22 @@ def gate_upstream(cc: int) -> dict:
     return rec
 
 
-def gate_all() -> list[dict]:
+def _candidates(sm90_only: bool = False) -> list:
+    return [c for c in CANDIDATES if not sm90_only or c[0].startswith("sm90")]
+
+
+def gate_all(sm90_only: bool = False) -> list[dict]:
     out = []
-    for name, tile, targets in CANDIDATES:
+    for name, tile, targets in _candidates(sm90_only):
         for cc in targets:
             out.append(gate_ours(name, tile, cc))
-    for cc in (80, 90):
+    seen = {}
+    for r in out:  # the same machine code as an earlier candidate: not timed again
+        if "sass_sha" in r:
+            first = seen.setdefault((r["cc"], r["sass_sha"]), r["name"])
+            if first != r["name"]:
+                r["same_sass_as"] = first
+    for cc in ((90,) if sm90_only else (80, 90)):
         try:
             out.append(gate_upstream(cc))
         except ModuleNotFoundError:
@@ -173,13 +221,24 @@ def _print_gate(rows: list[dict]) -> None:
             print(f"{r['name']:16s} sm_{r['cc']:<3d} {r['error']}")
             continue
         kq = r["per_kq"]
+        note = (f"  [same SASS as {r['same_sass_as']}: not timed]" if "same_sass_as" in r
+                else "  [over 227 KiB: not timed]" if not r.get("within_hopper_budget", True)
+                else "")
         print(f"{r['name']:16s} sm_{r['cc']:<3d} {r['shared']:7d} {r['regs']!s:>4} "
               f"{r['stack']!s:>5} {r['loop_instructions']:5d} {kq['instructions']:8.1f} "
               f"{kq.get('HMMA', kq.get('HGMMA', 0)):7.2f} {kq.get('LDSM', 0):7.2f}  "
-              f"{r['loop_mix']}")
+              f"{r['loop_mix']}{note}")
 
 
-def time_all(rows_gate: list[dict]) -> list[dict]:
+def _timed(rows_gate: list[dict], name: str, targets) -> bool:
+    """Whether the candidate is worth a GPU timing: it compiled for all its targets, the
+    sm_90 build fits the block's shared memory and is not an earlier candidate's SASS."""
+    rows = [r for r in rows_gate if r["name"] == name]
+    return bool(rows) and all("error" not in r and "same_sass_as" not in r
+                              and r.get("within_hopper_budget", True) for r in rows)
+
+
+def time_all(rows_gate: list[dict], sm90_only: bool = False) -> list[dict]:
     import torch
 
     from harness import Harness, max_abs_diff
@@ -201,7 +260,10 @@ def time_all(rows_gate: list[dict]) -> list[dict]:
         out.append({**base, "name": "upstream", "us": round(up_us, 2),
                     "tflops": round(flops / up_us / 1e6, 1)})
         print(json.dumps(out[-1]), flush=True)
-        for name, tile, _ in CANDIDATES:
+        for name, tile, targets in _candidates(sm90_only):
+            if not _timed(rows_gate, name, targets):
+                continue
+            t0 = time.perf_counter()
             spm.TILES[f"sweep-{name}"] = tile
             row = {**base, "name": name}
             try:
@@ -213,14 +275,16 @@ def time_all(rows_gate: list[dict]) -> list[dict]:
                            vs_upstream=round(up_us / us, 2))
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            row["wall_s"] = round(time.perf_counter() - t0, 1)  # compile + check + timing
             print(json.dumps(row), flush=True)
             out.append(row)
         del x, outb
         torch.cuda.empty_cache()
     print(f"# bf16 matmul {h.matmul_tflops:.0f} TFLOP/s ({h.meta['gpu']})")
     gate = {(r["name"], r["cc"]): r for r in rows_gate}
-    for family, cc in (("sm80", 80), ("sm90", 90)):
-        fam = [n for n, _, t in CANDIDATES if n.startswith(family)
+    for family, cc in ((("sm90", 90),) if sm90_only else (("sm80", 80), ("sm90", 90))):
+        fam = [n for n, _, t in _candidates(sm90_only) if n.startswith(family)
+               and _timed(rows_gate, n, t)
                and "error" not in gate.get((n, cc), {"error": 1})
                and gate[(n, cc)].get("within_ampere_budget", True)]
         score = {n: sum(r["us"] for r in out if r["name"] == n and "us" in r) for n in fam
@@ -240,14 +304,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gate-only", action="store_true", help="compile-gate figures only (CPU)")
+    ap.add_argument("--sm90-only", action="store_true",
+                    help="the sm90 (wgmma) candidates and upstream only, at sm_90")
     ap.add_argument("--out", type=Path, help="write {gate: [...], timings: [...]} here")
     a = ap.parse_args(argv)
+    t0 = time.perf_counter()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("needs real Triton compilation: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
-    gate = gate_all()
+    gate = gate_all(a.sm90_only)
     _print_gate(gate)
-    timings = [] if a.gate_only else time_all(gate)
+    timings = [] if a.gate_only else time_all(gate, a.sm90_only)
+    print(f"# wall {time.perf_counter() - t0:.0f} s")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"gate": gate, "timings": timings}, indent=1) + "\n")

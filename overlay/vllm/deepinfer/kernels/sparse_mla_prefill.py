@@ -85,6 +85,22 @@ class Tile:
     # the partial scores are summed across warps, and each warp accumulates its slice of
     # the output. Needs num_warps == split_d (mma.sync only: Triton has no batched wgmma).
     split_d: int = 1
+    # Key-loop knobs for the sm90 sweep (benchmarks/diag/sweep_prefill.py); the defaults
+    # compile to the same code as before they existed. warp_spec: tl.range(warp_specialize=)
+    # (Triton's automatic warp specialization; its hopper pass). unroll: tl.range(
+    # loop_unroll_factor=) (0: not set). loop_stages: tl.range(num_stages=), which pipelines
+    # the loop's other loads too (the index list), not only the dot operands (0: not set; the
+    # kernel's num_stages applies).
+    warp_spec: bool = False
+    unroll: int = 0
+    loop_stages: int = 0
+    # > 0: deferred rescale (FlashAttention-3/4's trick). The running max m moves only when a
+    # key tile's max exceeds it by more than rescale_tau (log2 units), and the accumulator and
+    # sum are rescaled only in iterations where some row's max moved (one branch per tile);
+    # otherwise p = exp2(s - m) with the stale m, at most 2^rescale_tau. The epilogue divides
+    # by the sum taken with the same m, so the result is the same softmax (rounding aside:
+    # bf16 p keeps its relative precision at any magnitude). 0: rescale every tile.
+    rescale_tau: float = 0.0
 
 
 # Tile table keyed by variant (docs/sparse-mla-prefill.md: compile-gate figures and why).
@@ -183,7 +199,8 @@ def _sparse_mla_prefill_kernel(
     num_rows, num_heads, head_tiles, width, qk_scale,
     DENSE: tl.constexpr, HAS_SINK: tl.constexpr, OUT_D: tl.constexpr, DOT_FP32: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_D: tl.constexpr,
+    SPLIT_D: tl.constexpr, WARP_SPEC: tl.constexpr = False, UNROLL: tl.constexpr = None,
+    LOOP_STAGES: tl.constexpr = None, RESCALE_TAU: tl.constexpr = 0.0,
 ):
     """Grid (tokens * head_tiles,): program p owns head tile p % head_tiles of token
     p // head_tiles (the head tiles of a token are adjacent). ``qk_scale`` = softmax scale *
@@ -191,7 +208,8 @@ def _sparse_mla_prefill_kernel(
 
     DENSE: row t's keys are ``idx[t * idx_stride0 + j]`` for j < clamp(lens[t], 0, width)
     (``ptr_ptr`` = lens); else ragged, ``idx[indptr[t] + j]`` for j < indptr[t+1] - indptr[t]
-    (``ptr_ptr`` = indptr). SPLIT_D: ``Tile.split_d``. DOT_FP32
+    (``ptr_ptr`` = indptr). SPLIT_D, WARP_SPEC, UNROLL, LOOP_STAGES, RESCALE_TAU: ``Tile``'s
+    split_d, warp_spec, unroll, loop_stages, rescale_tau (0 as None). DOT_FP32
     is an interpreter-only switch: the Triton interpreter computes bf16 ``tl.dot`` on raw
     bit patterns, so there the dots take fp32 operands.
     """
@@ -228,7 +246,8 @@ def _sparse_mla_prefill_kernel(
             q = q.to(tl.float32)
         acc = tl.zeros((SPLIT_D, BLOCK_H, C), tl.float32)
 
-    for k0 in tl.range(0, n, BLOCK_N):
+    for k0 in tl.range(0, n, BLOCK_N, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL,
+                       warp_specialize=WARP_SPEC):
         rows, valid = _key_rows(idx_ptr, start, k0, n, kv_ptr, kv_stride0, num_rows, ALIGNED,
                                 BLOCK_N)
         if SPLIT_D == 1:
@@ -242,16 +261,32 @@ def _sparse_mla_prefill_kernel(
                 k = k.to(tl.float32)
             s = tl.sum(tl.dot(q, tl.permute(k, (0, 2, 1))), axis=0)  # partial QK^T per slice
         s = tl.where(valid[None, :], s * qk_scale, NEG_LARGE)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        p = tl.where(valid[None, :], p, 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if SPLIT_D == 1:
-            acc = acc * alpha[:, None]
+        if RESCALE_TAU > 0:
+            m_blk = tl.max(s, axis=1)
+            grow = m_blk > m_i + RESCALE_TAU  # False for NaN: p is NaN, so the row is too
+            if tl.max(grow.to(tl.int32), axis=0) > 0:
+                m_new = tl.where(grow, m_blk, m_i)
+                alpha = tl.exp2(m_i - m_new)  # exactly 1 for the rows that keep their m
+                l_i = l_i * alpha
+                if SPLIT_D == 1:
+                    acc = acc * alpha[:, None]
+                else:
+                    acc = acc * alpha[None, :, None]
+                m_i = m_new
+            p = tl.exp2(s - m_i[:, None])
+            p = tl.where(valid[None, :], p, 0.0)
+            l_i = l_i + tl.sum(p, axis=1)
         else:
-            acc = acc * alpha[None, :, None]
-        m_i = m_new
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            p = tl.where(valid[None, :], p, 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if SPLIT_D == 1:
+                acc = acc * alpha[:, None]
+            else:
+                acc = acc * alpha[None, :, None]
+            m_i = m_new
         if not DOT_FP32:
             p = p.to(tl.bfloat16)
         if SPLIT_D == 1:
@@ -391,7 +426,7 @@ def sparse_attn_prefill(q, kv, scale, attn_sink, nope_head_dim, rope_head_dim, *
         q.stride(0), q.stride(1), kv.stride(0), idx_stride0, out.stride(0), out.stride(1),
         kv.shape[0], heads, head_tiles, width, float(scale) * LOG2E.value,
         DENSE=dense, HAS_SINK=has_sink, OUT_D=out.shape[2], DOT_FP32=_dot_fp32(),
-        ALIGNED=aligned, BLOCK_H=block_h, BLOCK_N=tile.block_n, SPLIT_D=tile.split_d,
+        ALIGNED=aligned, BLOCK_H=block_h, BLOCK_N=tile.block_n, **_loop_constexprs(tile),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
@@ -405,7 +440,8 @@ _SIG = {
                           "width")},
     "qk_scale": "fp32",
     **{k: "constexpr" for k in ("DENSE", "HAS_SINK", "OUT_D", "DOT_FP32", "ALIGNED", "BLOCK_H",
-                                "BLOCK_N", "SPLIT_D")},
+                                "BLOCK_N", "SPLIT_D", "WARP_SPEC", "UNROLL", "LOOP_STAGES",
+                                "RESCALE_TAU")},
 }
 # Variants the gate builds ("sm80" also covers sm_86; sm86's tile is sm80's).
 GATE_VARIANTS = ("sm80", "sm89", "sm90", "sm100")
@@ -415,7 +451,13 @@ def gate_constexprs(tile: Tile, dense: bool = True) -> dict:
     """The constexprs of a production launch of ``tile`` (64 heads or more, sink, aligned
     workspace, 512-wide output)."""
     return dict(DENSE=dense, HAS_SINK=True, OUT_D=HEAD_DIM, DOT_FP32=False, ALIGNED=True,
-                BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, SPLIT_D=tile.split_d)
+                BLOCK_H=tile.block_h, BLOCK_N=tile.block_n, **_loop_constexprs(tile))
+
+
+def _loop_constexprs(tile: Tile) -> dict:
+    """The kernel's constexprs for ``tile``'s split_d and key-loop knobs (0 -> None)."""
+    return dict(SPLIT_D=tile.split_d, WARP_SPEC=tile.warp_spec, UNROLL=tile.unroll or None,
+                LOOP_STAGES=tile.loop_stages or None, RESCALE_TAU=float(tile.rescale_tau))
 
 
 def _register() -> None:
