@@ -13,7 +13,7 @@ both, written in TileLang:
   (wgmma's 64 rows: one warpgroup) x 2 on N, so
     - QK^T  [64 heads, 64 keys] (K = 512): each warpgroup computes a 64 x 32 score block;
     - PV    [64 heads, 512 dims] (K = 64 keys): each warpgroup owns 256 output columns
-      (64 x 256 fp32 = 64 accumulator registers per thread... x2 with the score block);
+      (64 x 256 fp32 = 128 accumulator registers per thread, plus 16 for the score block);
   the row max / row sum of the online softmax cross the two warpgroups through shared
   memory (TileLang's reduce across the 8 warps), P goes to shared memory as bf16 once and
   both warpgroups read all 64 keys of it for their half of PV;
