@@ -94,14 +94,19 @@ PREDEQUANT_MIN_TOKENS = 4
 # key tiles p, p + P, ... of its token; P from 4 programs per SM, about what is resident
 # at once (95 registers: 5 CTAs), so one wave overlaps the loads of many tiles: the A100
 # model (tools/a100_model.py) puts phase 1 at 31 us for 64 tokens x 640 keys with 4, at
-# 69 us with 16 (several waves of latency-bound programs). Not measured on a GPU yet.
+# 69 us with 16 (several waves of latency-bound programs). The H200 sweep
+# (benchmarks/results/h200-2026-12-01-decode-2p-sweep-3dcac6f.json, phase 1 alone, e4b15)
+# disagreed: 16 programs per SM 33.6 / 58.8 us at 64 / 128 tokens against 40.2 / 70.2 with 4,
+# 32-key tiles 36.6 / 61.1. Kept at 4 until the grid and the f16bits decoder (now the
+# default) are timed together; nothing here changes an output.
 PREDEQUANT_BLOCK_N = 16
 PREDEQUANT_WARPS = 4
 PREDEQUANT_PROGRAMS_PER_SM = 4
 # Exact software e4m3 decoders phase 1 can use (fp8.py; all bit-exact, NaN included):
 # the integer unpack, the fp16-bits shift, Triton's fp8e4b15 conversion. The "-2p" tiles
-# take e4b15: the gather measured it fastest on the H200, and the A100 model puts phase 1
-# at 51.5 us with it against 62.7 us with the integer unpack (128 tokens x 640 keys).
+# take f16bits (TILES: the H200 sweep timed phase 1 at 32.6 / 54.3 us with it against e4b15's
+# 40.2 / 70.2 at 64 / 128 tokens), although the gather measured e4b15 fastest and the A100
+# model puts phase 1 at 51.5 us with e4b15 against 62.7 us with the integer unpack.
 PREDEQUANT_DECODES = {"int": 0, "f16bits": 1, "e4b15": 2}
 
 
