@@ -171,17 +171,23 @@ def test_reference_runs_beside_the_engines_and_lands_in_the_results(monkeypatch,
     assert len(checks) == 4 and all(r["passed"] for r in checks)
 
 
+def _two_runs_each(tmp_path):
+    """A reference and two runs (eager, graphs) of a100 and of upstream: a100's eager run a
+    little further than upstream's, its graph run closer."""
+    ref = _agree("fp32_reference", [(1, -1.0), (2, -2.0)])
+    json.dump(ref, open(tmp_path / "v41-mini-ref.json", "w"))
+    return {("v41-mini", "upstream", True): _agree("upstream", [(1, -1.10), (2, -2.0)]),
+            ("v41-mini", "upstream", False): _agree("upstream", [(1, -1.14), (2, -2.0)]),
+            ("v41-mini", "a100", True): _agree("a100", [(1, -1.16), (2, -2.0)]),
+            ("v41-mini", "a100", False): _agree("a100", [(1, -1.09), (2, -2.0)])}
+
+
 def test_reference_check_judges_each_engine_by_all_its_runs(tmp_path):
     """The V4.1 case of the 5f462a5 run in miniature: a100's eager run is a little further
     from the reference than upstream's eager run, beyond upstream's own spread (the first form
     of the rule fails), but a100's CUDA-graph run is closer than upstream's: over both runs
     a100 is within upstream's own run-to-run spread."""
-    ref = _agree("fp32_reference", [(1, -1.0), (2, -2.0)])
-    json.dump(ref, open(tmp_path / "v41-mini-ref.json", "w"))
-    runs = {("v41-mini", "upstream", True): _agree("upstream", [(1, -1.10), (2, -2.0)]),
-            ("v41-mini", "upstream", False): _agree("upstream", [(1, -1.14), (2, -2.0)]),
-            ("v41-mini", "a100", True): _agree("a100", [(1, -1.16), (2, -2.0)]),
-            ("v41-mini", "a100", False): _agree("a100", [(1, -1.09), (2, -2.0)])}
+    runs = _two_runs_each(tmp_path)
     (check,) = [r for r in e2e.reference_rows(tmp_path, runs)
                 if r["kernel"] == "e2e_reference_check"]
     assert check["passed_eager_only"] is False
@@ -200,12 +206,7 @@ def test_reference_check_judges_each_engine_by_all_its_runs(tmp_path):
 def test_recheck_rebuilds_the_check_from_a_results_file(tmp_path):
     """--recheck: the per-run distances of an earlier file give the same check row as the
     runs themselves."""
-    ref = _agree("fp32_reference", [(1, -1.0), (2, -2.0)])
-    json.dump(ref, open(tmp_path / "v41-mini-ref.json", "w"))
-    runs = {("v41-mini", "upstream", True): _agree("upstream", [(1, -1.10), (2, -2.0)]),
-            ("v41-mini", "upstream", False): _agree("upstream", [(1, -1.14), (2, -2.0)]),
-            ("v41-mini", "a100", True): _agree("a100", [(1, -1.16), (2, -2.0)]),
-            ("v41-mini", "a100", False): _agree("a100", [(1, -1.09), (2, -2.0)])}
+    runs = _two_runs_each(tmp_path)
     rows = e2e.reference_rows(tmp_path, runs)
     f = tmp_path / "old.json"
     json.dump(dict(meta={}, rows=rows), open(f, "w"))

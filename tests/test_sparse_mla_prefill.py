@@ -230,11 +230,12 @@ def test_nope_only_output(device):
     assert (buf[..., NOPE:] == 5.0).all()
 
 
-def test_nan_and_inf_rows_give_zeros_as_upstream(device):
-    # Upstream's prefill does not scrub NaN key entries: a NaN (or an inf) in a valid key
-    # row makes the token's softmax sum NaN, and its where(sum > 0, ..., 0) writes zeros for
-    # every head of that token; a NaN query row zeroes that head. Other tokens and heads
-    # are unaffected; nothing NaN is written.
+def _nan_inf_case(device):
+    """Token 0 lists a key row with a NaN, token 1 one with an inf, token 2 neither (its
+    entries 7 and 9 moved to 8), and head 4 of token 3 has a NaN query element. With this
+    seed every score against the inf key is +inf or NaN, so the token's sum is NaN and its
+    row zeroed; a head whose score were -inf would instead get 0 * inf = NaN in P.V (as in
+    upstream's kernel), which other data can produce."""
     q, kv, idx, sink = make(8, tokens=4, heads=16, rows=40, width=12, device=device)
     idx[0, 3], idx[1, 5] = 7, 9
     idx[2] = torch.where(idx[2] == 7, 8, idx[2])
@@ -242,7 +243,15 @@ def test_nan_and_inf_rows_give_zeros_as_upstream(device):
     kv[7, 100] = float("nan")
     kv[9, 460] = float("inf")
     q[3, 4, 10] = float("nan")
-    lens = torch.full((4,), 12, dtype=torch.int32, device=device)
+    return q, kv, idx, sink, torch.full((4,), 12, dtype=torch.int32, device=device)
+
+
+def test_nan_and_inf_rows_give_zeros_as_upstream(device):
+    # Upstream's prefill does not scrub NaN key entries: a NaN (or an inf) in a valid key
+    # row makes the token's softmax sum NaN, and its where(sum > 0, ..., 0) writes zeros for
+    # every head of that token; a NaN query row zeroes that head. Other tokens and heads
+    # are unaffected; nothing NaN is written.
+    q, kv, idx, sink, lens = _nan_inf_case(device)
     for variant in VARIANTS:
         out = run(q, kv, idx, lens, sink, variant).float().cpu()
         assert not out.isnan().any()
@@ -653,14 +662,7 @@ def test_deferred_rescale_keeps_the_zero_row_semantics(device, tile_rows):
     # inf keys zero the token, a NaN query zeroes the head; and rows without a valid key
     # give zeros. Zeros in the same places as the shipped tile's.
     name = tile_rows("test-tau-sem", base="sm90", rescale_tau=8.0)
-    q, kv, idx, sink = make(8, tokens=4, heads=16, rows=40, width=12, device=device)
-    idx[0, 3], idx[1, 5] = 7, 9
-    idx[2] = torch.where(idx[2] == 7, 8, idx[2])
-    idx[2] = torch.where(idx[2] == 9, 8, idx[2])
-    kv[7, 100] = float("nan")
-    kv[9, 460] = float("inf")
-    q[3, 4, 10] = float("nan")
-    lens = torch.full((4,), 12, dtype=torch.int32, device=device)
+    q, kv, idx, sink, lens = _nan_inf_case(device)
     out = run(q, kv, idx, lens, sink, name).float().cpu()
     assert not out.isnan().any()
     assert torch.equal(out[:2], torch.zeros(2, 16, D))
