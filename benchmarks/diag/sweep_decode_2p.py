@@ -68,18 +68,25 @@ class Cand:
     p1_per_sm: int = 4
     p1_decode: str = "e4b15"
     kind: str = "default"   # "default", "phase2" or "phase1": which phases get timed alone
+    # Phase 2's CTAs per SM as the split-K heuristic counts them (choose_num_splits): more
+    # slots split the keys of a 64-token batch (256 head-tile CTAs on an H200 at 2 per SM:
+    # no split, about 4 warps resident per SM with the 2-warp tile). None: the row's own.
+    ctas: int | None = None
 
     @property
     def name(self) -> str:
         return (f"sm80-2p/h{self.block_h}n{self.block_n}w{self.warps}s{self.stages}"
-                f"/p1n{self.p1_block_n}w{self.p1_warps}x{self.p1_per_sm}{self.p1_decode}")
+                + (f"c{self.ctas}" if self.ctas is not None else "")
+                + f"/p1n{self.p1_block_n}w{self.p1_warps}x{self.p1_per_sm}{self.p1_decode}")
 
     def tile(self):
         from vllm.deepinfer.kernels import sparse_mla_decode as smd
         base = smd.TILES["sm80-2p"]
         return dataclasses.replace(base, block_h=self.block_h, block_n=self.block_n,
                                    num_warps=self.warps, num_stages=self.stages,
-                                   predequant_decode=self.p1_decode)
+                                   predequant_decode=self.p1_decode,
+                                   ctas_per_sm=base.ctas_per_sm if self.ctas is None
+                                   else self.ctas)
 
     def phases(self) -> tuple[str, ...]:
         return {"default": ("phase1", "phase2"), "phase2": ("phase2",),
@@ -106,7 +113,13 @@ def candidates() -> list[Cand]:
     out += [dataclasses.replace(d, p1_block_n=32, kind="phase1")]
     out += [dataclasses.replace(d, p1_warps=w, kind="phase1") for w in (2, 8)]
     out += [dataclasses.replace(d, p1_per_sm=k, kind="phase1") for k in (2, 8, 16)]
-    out += [dataclasses.replace(d, p1_decode=x, kind="phase1") for x in ("int", "f16bits")]
+    out += [dataclasses.replace(d, p1_decode=x, kind="phase1")
+            for x in ("int", "f16bits", "e4b15") if x != d.p1_decode]
+    # More split-K slots for the shipped phase 2 (the 2-warp tile fits 4 CTAs per SM on an
+    # A100 and the H200 by registers and shared memory, 2 on sm86), alone and with phase 1's
+    # 16 programs per SM, which the 3dcac6f sweep timed fastest after the decoder.
+    out += [dataclasses.replace(d, ctas=k, kind="phase2") for k in (3, 4)]
+    out += [dataclasses.replace(d, ctas=4, p1_per_sm=16)]
     return out
 
 
