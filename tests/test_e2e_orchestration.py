@@ -45,6 +45,10 @@ def _fake_run(tokens_by_mode: dict, started: list, delay: float = 0.0):
         run = dict(mode=mode, gpu="NVIDIA H200", commit="abc1234", load_seconds=1.0,
                    prompts=[dict(prompt_len=3, prompt=[[tok, -0.5, -1.0], [7, -0.4, -2.0]],
                                  generated=[[9, -0.1, []], [tok, -0.2, []]])])
+        if "--repeat" in cmd:  # a second generation in the same process
+            tok2 = tokens_by_mode.get(mode + "#2", tok)
+            run["repeats"] = [[dict(prompt_len=3, prompt=[[tok2, -0.5, -1.0], [7, -0.4, -2.0]],
+                                    generated=[[9, -0.1, []], [tok2, -0.2, []]])]]
         if "--jit-warmup" in cmd:
             run["audit"] = dict(zero_compile=True, serve_compiles=[], compiles_by_phase={},
                                 failed=[], triton_kernels=[], cuda_ops=[],
@@ -214,3 +218,17 @@ def test_recheck_rebuilds_the_check_from_a_results_file(tmp_path):
     (check,) = [r for r in rows if r["kernel"] == "e2e_reference_check"]
     assert again["source"] == "old.json"
     assert {k: again[k] for k in check} == check
+
+
+@pytest.mark.parametrize("second,identical", [(5, True), (6, False)])
+def test_yoco_step_reruns_a100_in_the_same_process(monkeypatch, tmp_path, second, identical):
+    """--steps yoco: the reuse-on a100 run generates its prompts twice in one process; rows
+    kernel="e2e_repeat" say whether the two generations are identical."""
+    started = []
+    out = _main(monkeypatch, tmp_path, ["--steps", "ckpt,yoco", "--parallel", "2"],
+                _fake_run({e2e.REPEAT_MODE + "#2": second}, started))
+    rows = [r for r in out["rows"] if r["kernel"] == "e2e_repeat"]
+    assert {r["shape"]["model"] for r in rows} == set(e2e.AGREE_MODELS)
+    assert all(r["variant"] == f"{e2e.REPEAT_MODE}_run1_vs_run2" for r in rows)
+    assert all(r["identical"] is identical for r in rows)
+

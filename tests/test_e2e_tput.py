@@ -90,3 +90,33 @@ def test_decode_window_not_reached_is_an_error(monkeypatch):
     llm = types.SimpleNamespace(llm_engine=Stalled(run.CHUNK))
     with pytest.raises(RuntimeError, match="decode window not reached"):
         run.decode_steps_per_s(llm, [[1] * 10] * 2, 4)
+
+
+def test_agree_repeats_the_generation_in_the_same_process(monkeypatch):
+    """--repeat 2: agree() generates the same prompts twice and keeps the second as
+    ``repeats``; a stand-in engine whose second generation differs shows up there."""
+    run = _run_module()
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
+        SamplingParams=lambda **kw: types.SimpleNamespace(**kw)))
+    lp = lambda v: types.SimpleNamespace(logprob=v)  # noqa: E731
+
+    class LLM:
+        calls = 0
+
+        def generate(self, prompts, sp, use_tqdm=False):
+            LLM.calls += 1
+            shift = 0.0 if LLM.calls == 1 else -0.25
+            return [types.SimpleNamespace(
+                prompt_logprobs=[None] + [{t: lp(-1.0 + shift)} for t in p["prompt_token_ids"][1:]],
+                outputs=[types.SimpleNamespace(token_ids=[7], logprobs=[{7: lp(-0.5)}])])
+                for p in prompts]
+    args = types.SimpleNamespace(lens=[3, 5], seed=0, gen=1, repeat=1)
+    once = run.agree(LLM(), 1000, args)
+    assert "repeats" not in once and LLM.calls == 1
+    LLM.calls = 0
+    args.repeat = 2
+    twice = run.agree(LLM(), 1000, args)
+    assert LLM.calls == 2 and len(twice["repeats"]) == 1
+    first, second = twice["prompts"], twice["repeats"][0]
+    assert [p["prompt_len"] for p in first] == [p["prompt_len"] for p in second] == [3, 5]
+    assert first[0]["prompt"][0][1] == -1.0 and second[0]["prompt"][0][1] == -1.25

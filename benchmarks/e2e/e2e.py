@@ -58,6 +58,10 @@ MODES = ("a100", "sm90", "upstream")
 # engine already differ (docs/yoco.md). Pairs of the unsorted modes from earlier runs in the
 # work folder are reported too.
 YOCO_MODES = ("a100_det", "a100_det_noyoco", "a100_det_rerun", "sm90_det", "sm90_det_noyoco")
+# The reuse-on a100 run of --steps yoco also generates its prompts a second time in the same
+# process: were that identical while a second process differs, the run-to-run variation
+# comes from process state (allocation, caches, heuristics), not from the kernels' math.
+REPEAT_MODE = "a100_det"
 YOCO_PAIRS = (("a100_det", "a100_det_noyoco"), ("sm90_det", "sm90_det_noyoco"),
               ("a100_det", "a100_det_rerun"),
               ("a100", "a100_noyoco"), ("sm90", "sm90_noyoco"), ("a100", "a100_rerun"))
@@ -168,6 +172,8 @@ def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=())
     out = work / f"{tag}.json"
     cmd = [sys.executable, str(HERE / "run.py"), "--model", str(work / f"{name}-{fmt}"),
            "--mode", mode, "--task", task, "--out", str(out), *extra]
+    if mode == REPEAT_MODE and task == "agree":
+        cmd += ["--repeat", "2"]  # in-process rerun: rows kernel="e2e_repeat"
     if eager:
         cmd.append("--eager")
     if mode == "a100" and eager and task == "agree":
@@ -423,6 +429,17 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                                  shape=dict(model=name, eager=True), identical=same,
                                  top1_agree=p["top1_agree"],
                                  max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
+        for (n, mode, eager), r in runs.items():
+            if n != name or not r.get("repeats"):
+                continue
+            for i, rep in enumerate(r["repeats"], start=2):
+                p = compare.pair(r, dict(r, prompts=rep))
+                same = p["max_abs_dlogprob"] == 0.0 and p["top1_agree"] == 1.0 and all(
+                    d is None for d in p["first_divergence"]) and p["generated_max_abs_dlogprob"] == 0.0
+                rows.append(dict(kernel="e2e_repeat", variant=f"{mode}_run1_vs_run{i}",
+                                 shape=dict(model=name, eager=eager, same_process=True),
+                                 identical=same, top1_agree=p["top1_agree"],
+                                 max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
         for m in MODES:  # the noise floor: one mode, eager against CUDA graphs
             if runs.get((name, m, True)) and runs.get((name, m, False)):
                 p = compare.pair(runs[(name, m, True)], runs[(name, m, False)])
@@ -463,7 +480,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
         if row["kernel"] == "e2e_agreement":
             print(f"  {row['shape']}  {row['variant']:24s} top1 {row['top1_agree']:.4f}  "
                   f"max|dlp| {row['max_abs_dlogprob']:.4f}")
-        elif row["kernel"] == "yoco_e2e":
+        elif row["kernel"] in ("yoco_e2e", "e2e_repeat"):
             print(f"  {row['shape']}  {row['variant']:24s} identical {row['identical']}  "
                   f"max|dlp| {row['max_abs_dlogprob']:.4g}")
         elif row["kernel"] == "zero_compile":

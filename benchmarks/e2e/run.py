@@ -78,6 +78,9 @@ def _top(lp_dict) -> tuple[int, float]:
 
 
 def agree(llm, vocab: int, args) -> dict:
+    """Greedy generation with top-K logprobs; ``args.repeat`` > 1 generates the same
+    prompts again in this process (``repeats``: whether one engine is deterministic within a
+    process, apart from whether two processes agree)."""
     from vllm import SamplingParams
     ps = prompts(args.lens, vocab, args.seed)
     sp = SamplingParams(max_tokens=args.gen, temperature=0.0, logprobs=TOPK_LOGPROBS,
@@ -85,6 +88,16 @@ def agree(llm, vocab: int, args) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
     dt = time.perf_counter() - t0
+    repeats = [_agree_rows(ps, llm.generate([{"prompt_token_ids": p} for p in ps], sp,
+                                            use_tqdm=False))
+               for _ in range(max(0, getattr(args, "repeat", 1) - 1))]
+    out = dict(seconds=dt, prompts=_agree_rows(ps, outs))
+    if repeats:
+        out["repeats"] = repeats
+    return out
+
+
+def _agree_rows(ps, outs) -> list[dict]:
     rows = []
     for p, o in zip(ps, outs):
         plp = o.prompt_logprobs or []
@@ -101,7 +114,7 @@ def agree(llm, vocab: int, args) -> dict:
             gen.append([tok, d[tok].logprob,
                         sorted(((t, v.logprob) for t, v in d.items()), key=lambda x: -x[1])])
         rows.append(dict(prompt_len=len(p), prompt=prompt_pos, generated=gen))
-    return dict(seconds=dt, prompts=rows)
+    return rows
 
 
 def _timed_generate(llm, ps, max_tokens):
@@ -201,6 +214,9 @@ def main() -> int:
                     "NONE, no CUDA graphs; --eager would switch the warmup off): the form the "
                     "zero-compile check runs in")
     ap.add_argument("--gen", type=int, default=32, help="generated tokens per prompt (agree)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="agree: generate the same prompts this many times in this process "
+                    "(the result's 'repeats' hold the later ones)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=16384 + 256)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64])
