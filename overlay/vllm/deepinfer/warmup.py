@@ -263,21 +263,15 @@ def _writer_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[Warmu
     during load in the same run and are not listed."""
     if shapes.model != "v4":
         return []
-    from vllm.deepinfer import kv_record as rec
     from vllm.deepinfer.kernels import fp8_writers_v4_compress as v4c
     hw = arch.VARIANTS[variant].hw_fp8
     keys = []
     for r in sorted(r for r in shapes.compress_ratios if r > 1):
-        ov = r == 4  # upstream's overlap rule
-        c = dict(HEAD=v4c.SPARSE_ATTN_HEAD_DIM, STATE_WIDTH=(1 + ov) * v4c.SPARSE_ATTN_HEAD_DIM,
-                 COMPRESS_RATIO=r, OVERLAP=ov, ROPE=v4c.ROPE_HEAD_DIM, QBLOCK=rec.QUANT_BLOCK,
-                 DATA_BYTES=rec.DATA_BYTES, SCALE_BYTES=rec.SCALE_BYTES, HW_FP8=hw)
+        c = dict(v4c.launch_constexprs(r, v4c.SPARSE_ATTN_HEAD_DIM), HW_FP8=hw)
         keys.append(WarmupKey("v4_compress_kv", tuple(sorted(c.items())),
                               v4c._SPARSE_ATTN_WARPS[variant], None))
         if r == 4 and shapes.topk > 0:  # the indexer lives on the C4A layers
-            c = dict(HEAD=v4c.INDEXER_HEAD_DIM, STATE_WIDTH=2 * v4c.INDEXER_HEAD_DIM,
-                     COMPRESS_RATIO=4, OVERLAP=True, ROPE=v4c.ROPE_HEAD_DIM,
-                     SCALE_BYTES=v4c.INDEXER_SCALE_BYTES, MX_SCALE=False, HW_FP8=hw)
+            c = dict(v4c.launch_constexprs(4, v4c.INDEXER_HEAD_DIM), HW_FP8=hw)
             keys.append(WarmupKey("v4_compress_indexer", tuple(sorted(c.items())),
                                   v4c._INDEXER_WARPS[variant], None))
     return keys

@@ -42,7 +42,7 @@ from vllm.deepinfer.kernels.checks import INDEX_DTYPES, check, check_tensor, fai
 from vllm.deepinfer.kernels.fp8_writers import (AMAX_FLOOR, FP8_MAX, UE8M0_MAX, register_writer,
                                                 rope_tail_pairs, store_fp8_key_row)
 
-__all__ = ["compress_norm_rope_store_triton"]
+__all__ = ["compress_norm_rope_store_triton", "launch_constexprs"]
 
 # Warps per program, per variant. Both kernels reduce with floating-point sums (the
 # softmax denominator, the pooled sum over the window's rows, the RMSNorm sum of squares);
@@ -333,22 +333,29 @@ _SIG = {"state": "*fp32", "state_stride0": "i32", "state_stride1": "i32", "token
         "cache_block": "i32", "num_slots": "i32", "cache_stride": "i32", "HEAD": "constexpr",
         "STATE_WIDTH": "constexpr", "COMPRESS_RATIO": "constexpr", "OVERLAP": "constexpr",
         "ROPE": "constexpr"}
+def launch_constexprs(ratio: int, head: int) -> dict:
+    """The constexprs (HW_FP8 aside) of a V4 compressor launch at ``ratio``: the 584-byte KV
+    row (``head`` 512) or the C4A indexer's K row (128). The compile gate and the JIT warmup
+    (vllm.deepinfer.warmup._writer_keys) both build from it."""
+    ov = ratio == 4  # upstream's overlap rule
+    common = {"HEAD": head, "STATE_WIDTH": (1 + ov) * head, "COMPRESS_RATIO": ratio,
+              "OVERLAP": ov, "ROPE": ROPE_HEAD_DIM}
+    if head == SPARSE_ATTN_HEAD_DIM:
+        return {**common, "QBLOCK": rec.QUANT_BLOCK, "DATA_BYTES": rec.DATA_BYTES,
+                "SCALE_BYTES": rec.SCALE_BYTES}
+    return {**common, "SCALE_BYTES": INDEXER_SCALE_BYTES, "MX_SCALE": False}
+
+
 # The page stride is a runtime argument (a multiple of vLLM's 576-byte page alignment).
 for _cr in (r for r in shapes.V4.ratios if r > 0):
-    _ov = _cr == 4
     register_writer(
         f"v4.compress_sparse_attn.cr{_cr}", _compress_sparse_attn_kernel,
         {**_SIG, "QBLOCK": "constexpr", "DATA_BYTES": "constexpr", "SCALE_BYTES": "constexpr"},
-        {"HEAD": SPARSE_ATTN_HEAD_DIM, "STATE_WIDTH": (1 + _ov) * SPARSE_ATTN_HEAD_DIM,
-         "COMPRESS_RATIO": _cr, "OVERLAP": _ov, "ROPE": ROPE_HEAD_DIM,
-         "QBLOCK": rec.QUANT_BLOCK,
-         "DATA_BYTES": rec.DATA_BYTES, "SCALE_BYTES": rec.SCALE_BYTES},
+        launch_constexprs(_cr, SPARSE_ATTN_HEAD_DIM),
         {v: _SPARSE_ATTN_WARPS[v] for v in ("sm80", "sm90")})
 # The indexer exists on the c4a layers only.
 register_writer(
     "v4.compress_indexer_fp8.cr4", _compress_indexer_kernel,
     {**_SIG, "SCALE_BYTES": "constexpr", "MX_SCALE": "constexpr"},
-    {"HEAD": INDEXER_HEAD_DIM, "STATE_WIDTH": 2 * INDEXER_HEAD_DIM, "COMPRESS_RATIO": 4,
-     "OVERLAP": True, "ROPE": ROPE_HEAD_DIM,
-     "SCALE_BYTES": INDEXER_SCALE_BYTES, "MX_SCALE": False},
+    launch_constexprs(4, INDEXER_HEAD_DIM),
     {v: _INDEXER_WARPS[v] for v in ("sm80", "sm90")})
