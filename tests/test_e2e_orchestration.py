@@ -49,6 +49,11 @@ def _fake_run(tokens_by_mode: dict, started: list, delay: float = 0.0):
             tok2 = tokens_by_mode.get(mode + "#2", tok)
             run["repeats"] = [[dict(prompt_len=3, prompt=[[tok2, -0.5, -1.0], [7, -0.4, -2.0]],
                                     generated=[[9, -0.1, []], [tok2, -0.2, []]])]]
+        if "--toggle-yoco" in cmd:  # once more in the same process, reuse off
+            tok3 = tokens_by_mode.get(mode + "#off", tok)
+            run["noyoco_in_process"] = [dict(prompt_len=3, prompt=[[tok3, -0.5, -1.0],
+                                                                   [7, -0.4, -2.0]],
+                                             generated=[[9, -0.1, []], [tok3, -0.2, []]])]
         if "--jit-warmup" in cmd:
             run["audit"] = dict(zero_compile=True, serve_compiles=[], compiles_by_phase={},
                                 failed=[], triton_kernels=[], cuda_ops=[],
@@ -229,6 +234,35 @@ def test_yoco_step_reruns_a100_in_the_same_process(monkeypatch, tmp_path, second
                 _fake_run({e2e.REPEAT_MODE + "#2": second}, started))
     rows = [r for r in out["rows"] if r["kernel"] == "e2e_repeat"]
     assert {r["shape"]["model"] for r in rows} == set(e2e.AGREE_MODELS)
-    assert all(r["variant"] == f"{e2e.REPEAT_MODE}_run1_vs_run2" for r in rows)
-    assert all(r["identical"] is identical for r in rows)
+    assert all(r["variant"] == f"{e2e.REPEAT_MODE}_run1_vs_run2" for r in rows
+               if r["variant"].startswith(e2e.REPEAT_MODE + "_run"))
+    assert {r["variant"] for r in rows} == {f"{m}_run1_vs_run2" for m in e2e.REPEAT_MODES}
+    assert all(r["identical"] is identical for r in rows
+               if r["variant"].startswith(e2e.REPEAT_MODE + "_run"))
 
+
+@pytest.mark.parametrize("off,identical", [(5, True), (6, False)])
+def test_yoco_step_toggles_reuse_in_the_same_process(monkeypatch, tmp_path, off, identical):
+    """--steps yoco: the repeat modes generate once more with reuse off in the same process;
+    rows kernel="yoco_e2e", variant "<mode>_in_process_on_vs_off" say whether on and off are
+    identical there."""
+    out = _main(monkeypatch, tmp_path, ["--steps", "ckpt,yoco", "--parallel", "2"],
+                _fake_run({m + "#off": off for m in e2e.REPEAT_MODES}, []))
+    rows = [r for r in out["rows"] if r["kernel"] == "yoco_e2e"
+            and r["variant"].endswith("_in_process_on_vs_off")]
+    assert {(r["shape"]["model"], r["variant"]) for r in rows} == {
+        (n, f"{m}_in_process_on_vs_off") for n in e2e.AGREE_MODELS for m in e2e.REPEAT_MODES}
+    assert all(r["identical"] is identical and r["shape"]["same_process"] for r in rows)
+
+
+
+def test_yoco_modes_selects_the_yoco_step_engines(monkeypatch, tmp_path):
+    """--yoco-modes runs only the named modes of the yoco step; an unknown name is refused."""
+    started = []
+    _main(monkeypatch, tmp_path, ["--steps", "ckpt,yoco", "--yoco-modes", "a100_det,sm90_det"],
+          _fake_run({}, started))
+    assert sorted(s[0] for s in started) == sorted(
+        f"{n}-{m}-agree-eager" for n in e2e.AGREE_MODELS for m in ("a100_det", "sm90_det"))
+    with pytest.raises(SystemExit):
+        _main(monkeypatch, tmp_path, ["--steps", "yoco", "--yoco-modes", "a100_nope"],
+              _fake_run({}, []))

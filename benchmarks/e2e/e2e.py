@@ -61,7 +61,11 @@ YOCO_MODES = ("a100_det", "a100_det_noyoco", "a100_det_rerun", "sm90_det", "sm90
 # The reuse-on a100 run of --steps yoco also generates its prompts a second time in the same
 # process: were that identical while a second process differs, the run-to-run variation
 # comes from process state (allocation, caches, heuristics), not from the kernels' math.
-REPEAT_MODE = "a100_det"
+# The same runs, and sm90_det's, then generate once more with reuse off (run.py
+# --toggle-yoco): reuse on against off within one process, where the engine's own
+# run-to-run variation between processes does not enter.
+REPEAT_MODES = ("a100_det", "sm90_det")
+REPEAT_MODE = REPEAT_MODES[0]
 YOCO_PAIRS = (("a100_det", "a100_det_noyoco"), ("sm90_det", "sm90_det_noyoco"),
               ("a100_det", "a100_det_rerun"),
               ("a100", "a100_noyoco"), ("sm90", "sm90_noyoco"), ("a100", "a100_rerun"))
@@ -166,14 +170,22 @@ def run_reference(work: Path, name: str, kv_fp8: bool, lens=None) -> Path | None
     return out if rc == 0 and out.exists() else None
 
 
+def _identical(p: dict) -> bool:
+    """compare.pair's verdict of bit-identity: every prompt position and generated token."""
+    return (p["max_abs_dlogprob"] == 0.0 and p["top1_agree"] == 1.0
+            and all(d is None for d in p["first_divergence"])
+            and p["generated_max_abs_dlogprob"] == 0.0)
+
+
 def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=()) -> Path | None:
     cfg, fmt = MODELS[name]
     tag = f"{name}-{mode}-{task}-{'eager' if eager else 'graphs'}"
     out = work / f"{tag}.json"
     cmd = [sys.executable, str(HERE / "run.py"), "--model", str(work / f"{name}-{fmt}"),
            "--mode", mode, "--task", task, "--out", str(out), *extra]
-    if mode == REPEAT_MODE and task == "agree":
-        cmd += ["--repeat", "2"]  # in-process rerun: rows kernel="e2e_repeat"
+    if mode in REPEAT_MODES and task == "agree":
+        # in-process rerun (rows kernel="e2e_repeat"), then reuse off in the same process
+        cmd += ["--repeat", "2", "--toggle-yoco"]
     if eager:
         cmd.append("--eager")
     if mode == "a100" and eager and task == "agree":
@@ -188,6 +200,10 @@ def main() -> int:
     ap.add_argument("--steps", default="ckpt,agree,graphs,tput,nocompile,reference")
     ap.add_argument("--parallel", type=int, default=3, help="agreement engines at once")
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer shapes")
+    ap.add_argument("--yoco-modes", default=",".join(YOCO_MODES),
+                    help="the yoco step's run.py modes, comma-separated (default: all of "
+                    "YOCO_MODES; REPEAT_MODES among them also rerun and toggle reuse in "
+                    "process)")
     ap.add_argument("--sparse-routing", action="store_true",
                     help="agreement checkpoints keep the configs' expert top-k (see dense_routing)")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
@@ -233,7 +249,11 @@ def main() -> int:
     if "graphs" in steps:
         jobs += [(n, m, "graphs") for n in AGREE_MODELS for m in ("a100", "upstream")]
     if "yoco" in steps:
-        jobs += [(n, m, "eager") for n in AGREE_MODELS for m in YOCO_MODES]
+        yoco_modes = [m for m in args.yoco_modes.split(",") if m]
+        unknown = sorted(set(yoco_modes) - set(YOCO_MODES))
+        if unknown:
+            ap.error(f"--yoco-modes: unknown {', '.join(unknown)}; known: {', '.join(YOCO_MODES)}")
+        jobs += [(n, m, "eager") for n in AGREE_MODELS for m in yoco_modes]
     if "nocompile" in steps:
         jobs += [(n, "a100", "nocompile") for n in AGREE_MODELS]
     if "reference" in steps:
@@ -423,8 +443,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
             a, b = runs.get((name, on, True)), runs.get((name, off, True))
             if a and b:
                 p = compare.pair(a, b)
-                same = p["max_abs_dlogprob"] == 0.0 and p["top1_agree"] == 1.0 and all(
-                    d is None for d in p["first_divergence"]) and p["generated_max_abs_dlogprob"] == 0.0
+                same = _identical(p)
                 rows.append(dict(kernel="yoco_e2e", variant=f"{on}_vs_{off}",
                                  shape=dict(model=name, eager=True), identical=same,
                                  top1_agree=p["top1_agree"],
@@ -434,12 +453,23 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                 continue
             for i, rep in enumerate(r["repeats"], start=2):
                 p = compare.pair(r, dict(r, prompts=rep))
-                same = p["max_abs_dlogprob"] == 0.0 and p["top1_agree"] == 1.0 and all(
-                    d is None for d in p["first_divergence"]) and p["generated_max_abs_dlogprob"] == 0.0
+                same = _identical(p)
                 rows.append(dict(kernel="e2e_repeat", variant=f"{mode}_run1_vs_run{i}",
                                  shape=dict(model=name, eager=eager, same_process=True),
                                  identical=same, top1_agree=p["top1_agree"],
                                  max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
+        for (n, mode, eager), r in runs.items():
+            if n != name or not (r.get("noyoco_in_process") or r.get("noyoco_in_process_error")):
+                continue
+            row = dict(kernel="yoco_e2e", variant=f"{mode}_in_process_on_vs_off",
+                       shape=dict(model=name, eager=eager, same_process=True))
+            if r.get("noyoco_in_process"):
+                p = compare.pair(r, dict(r, prompts=r["noyoco_in_process"]))
+                row.update(identical=_identical(p), top1_agree=p["top1_agree"],
+                           max_abs_dlogprob=p["max_abs_dlogprob"], detail=p)
+            else:
+                row.update(identical=None, error=r["noyoco_in_process_error"])
+            rows.append(row)
         for m in MODES:  # the noise floor: one mode, eager against CUDA graphs
             if runs.get((name, m, True)) and runs.get((name, m, False)):
                 p = compare.pair(runs[(name, m, True)], runs[(name, m, False)])

@@ -94,6 +94,21 @@ def agree(llm, vocab: int, args) -> dict:
     out = dict(seconds=dt, prompts=_agree_rows(ps, outs))
     if repeats:
         out["repeats"] = repeats
+    if getattr(args, "toggle_yoco", False):
+        # Reuse is decided per call from the environment (vllm.deepinfer.yoco.enabled), and
+        # the engine runs in this process: the same engine, the same prompts, reuse off.
+        prev = os.environ.get("DEEPINFER_YOCO_REUSE")
+        os.environ["DEEPINFER_YOCO_REUSE"] = "0"
+        try:
+            out["noyoco_in_process"] = _agree_rows(ps, llm.generate(
+                [{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False))
+        except Exception as e:  # noqa: BLE001 - the rows above are still worth having
+            out["noyoco_in_process_error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if prev is None:
+                os.environ.pop("DEEPINFER_YOCO_REUSE", None)
+            else:
+                os.environ["DEEPINFER_YOCO_REUSE"] = prev
     return out
 
 
@@ -217,6 +232,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="agree: generate the same prompts this many times in this process "
                     "(the result's 'repeats' hold the later ones)")
+    ap.add_argument("--toggle-yoco", action="store_true",
+                    help="agree: after the repeats, generate the same prompts once more in "
+                    "this process with cross-layer reuse off (DEEPINFER_YOCO_REUSE=0); the "
+                    "result's 'noyoco_in_process' holds them")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=16384 + 256)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64])
