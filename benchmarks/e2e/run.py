@@ -77,6 +77,19 @@ def _top(lp_dict) -> tuple[int, float]:
     return tok, lp_dict[tok].logprob
 
 
+def _zero_kv_caches(worker) -> int:
+    """Zero every KV cache tensor of a worker (run through LLM.collective_rpc)."""
+    import torch
+    n = 0
+    for t in worker.model_runner.kv_caches:
+        for x in (t if isinstance(t, (list, tuple)) else (t,)):
+            if isinstance(x, torch.Tensor):
+                x.zero_()
+                n += 1
+    torch.cuda.synchronize()
+    return n
+
+
 def agree(llm, vocab: int, args) -> dict:
     """Greedy generation with top-K logprobs; ``args.repeat`` > 1 generates the same
     prompts again in this process (``repeats``: whether one engine is deterministic within a
@@ -85,12 +98,16 @@ def agree(llm, vocab: int, args) -> dict:
     ps = prompts(args.lens, vocab, args.seed)
     sp = SamplingParams(max_tokens=args.gen, temperature=0.0, logprobs=TOPK_LOGPROBS,
                         prompt_logprobs=TOPK_LOGPROBS, detokenize=False)
+    zero = getattr(args, "zero_kv", False)
+
+    def gen():
+        if zero:  # every generation starts from the same cache contents
+            llm.collective_rpc(_zero_kv_caches)
+        return llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    outs = gen()
     dt = time.perf_counter() - t0
-    repeats = [_agree_rows(ps, llm.generate([{"prompt_token_ids": p} for p in ps], sp,
-                                            use_tqdm=False))
-               for _ in range(max(0, getattr(args, "repeat", 1) - 1))]
+    repeats = [_agree_rows(ps, gen()) for _ in range(max(0, getattr(args, "repeat", 1) - 1))]
     out = dict(seconds=dt, prompts=_agree_rows(ps, outs))
     if repeats:
         out["repeats"] = repeats
@@ -100,8 +117,7 @@ def agree(llm, vocab: int, args) -> dict:
         prev = os.environ.get("DEEPINFER_YOCO_REUSE")
         os.environ["DEEPINFER_YOCO_REUSE"] = "0"
         try:
-            out["noyoco_in_process"] = _agree_rows(ps, llm.generate(
-                [{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False))
+            out["noyoco_in_process"] = _agree_rows(ps, gen())
         except Exception as e:  # noqa: BLE001 - the rows above are still worth having
             out["noyoco_in_process_error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -236,6 +252,15 @@ def main() -> int:
                     help="agree: after the repeats, generate the same prompts once more in "
                     "this process with cross-layer reuse off (DEEPINFER_YOCO_REUSE=0); the "
                     "result's 'noyoco_in_process' holds them")
+    ap.add_argument("--zero-kv", action="store_true",
+                    help="agree: zero every KV cache tensor before each generation (whether "
+                    "repeats differ because a kernel reads cache memory no request wrote)")
+    ap.add_argument("--one-stream", action="store_true",
+                    help="diagnostic: no auxiliary CUDA streams (vLLM's parallel pairs run "
+                    "in order on one stream)")
+    ap.add_argument("--torch-det", action="store_true",
+                    help="diagnostic: torch.use_deterministic_algorithms(warn_only=True), so "
+                    "torch ops without a deterministic CUDA implementation name themselves")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=16384 + 256)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64])
@@ -267,6 +292,18 @@ def main() -> int:
     import torch
     import vllm
     from vllm import LLM
+    if args.torch_det:
+        # Diagnostic: torch ops with a nondeterministic CUDA implementation warn by name.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.one_stream:
+        # Diagnostic: every maybe_execute_in_parallel pair runs in order on the current
+        # stream, and vLLM's shared aux stream is None (before the model modules import).
+        import vllm.utils.multi_stream_utils as msu
+        import vllm.utils.torch_utils as tu
+        _par = msu.maybe_execute_in_parallel
+        msu.maybe_execute_in_parallel = lambda f0, f1, e0, e1, aux_stream=None: _par(
+            f0, f1, e0, e1, None)
+        tu.aux_stream = lambda: None
     with open(os.path.join(args.model, "config.json")) as f:
         cfg = json.load(f)
     vocab = (cfg.get("text_config") or cfg)["vocab_size"]

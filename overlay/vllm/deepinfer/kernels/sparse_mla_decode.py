@@ -170,7 +170,15 @@ TILES: dict[str, Tile] = {
     # took 32.6 / 54.3 us against e4b15's 40.2 / 70.2 (the model: equal on an A100, 149.6
     # vs 148.4 us); every decoder is exact, so outputs are the same bytes. The two choices
     # were timed apart, not together; no A100 has run either.
-    "sm80-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=2,
+    # ctas_per_sm 4 on sm80: the tile's residency (227 registers x 64 threads and 33,280 B
+    # + 1 KiB per CTA fit 4 per SM on an A100, 164 KiB; sm86's 100 KiB fit 2). The split
+    # heuristic then splits the keys of grids up to a quarter of the slots. Timed together
+    # with the two choices above on the H200 (benchmarks/results/h200-2026-12-01-decode-2p-
+    # sweep-76b7288.json, 64 heads, top-k 512 + window 128): 64 tokens 93.0 us against
+    # 114.1 at 2 (phase 2 64.9 vs 85.6: two splits, 512 CTAs in 528 slots), 128 tokens
+    # 153.5 vs 153.2, 16 tokens 42.6 vs 40.2. An A100's 108 SMs give 432 slots, so there
+    # 64 tokens x 64 heads (256 head tiles) stays unsplit and 32 tokens split 3 ways.
+    "sm80-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=4,
                     predequant=True, predequant_decode="f16bits"),
     "sm86-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=2,
                     predequant=True, predequant_decode="f16bits"),
