@@ -210,6 +210,7 @@ class Stack:
         if r and not have:
             kvg.dequantize_and_gather_k_cache(kv, L.comp_cache, L.seq_lens // r, None, L.comp_bt,
                                               s.comp_page, 0, variant=v)
+            yoco.verify_gather(fc, kv, N)  # DEEPINFER_YOCO_VERIFY only
         base = self.owner[None]
         kvg.dequantize_and_gather_k_cache(kv, self.swa[i], base.seq_lens, base.gather_lens,
                                           base.swa_bt, s.swa_page, N, variant=v)

@@ -479,6 +479,19 @@ def test_yoco_reuse_builds_once_per_group(yoco_probe):
     assert off["builds"] is None  # off: no cache is even created
 
 
+def test_yoco_verify_mode_through_the_ampere_class(yoco_probe):
+    """DEEPINFER_YOCO_VERIFY=1 on the same forward: each of the 12 hits is built again by
+    the layer's own calls (the prefill's compressed gather included, through
+    common.py's verify_gather) and equals the reused product bit for bit; the outputs are
+    still reuse-off's."""
+    v = _value(yoco_probe, "yoco/verify")
+    t = v["totals"]
+    assert v["outputs_equal_off"] == [True] * 6
+    assert not [k for k in t if k.endswith(".verify_mismatch")], t
+    assert {k: t.get(f"{k}.verify_equal") for k in v["hits"]} == v["hits"] == {
+        "decode_indices": 2, "swa_ragged": 5, "gather": 3, "combine": 2}
+
+
 def test_yoco_patched_flashmla_decode(yoco_probe):
     """Patch 0040: upstream's FlashMLA decode over five compressed layers hands FlashMLA the
     same global indices and lens with reuse on and off, built 3 times instead of 5; the

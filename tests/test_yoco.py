@@ -278,3 +278,99 @@ def test_gather_buffer_device_names_resolve_to_one_device(fresh, monkeypatch):
     buf.view(2, 16, 8, "cpu:0")
     buf.view(2, 16, 8, torch.device("cpu"))
     assert buf.generation == 1
+
+
+# ----------------------------------------------------------------------------- verify mode
+def _verify_on(monkeypatch):
+    monkeypatch.setenv(yoco.VERIFY_VARIABLE, "1")
+
+
+def test_verify_off_builds_nothing_again(fresh):
+    ctx, builds = types.SimpleNamespace(), []
+    key = yoco.swa_ragged_key(object(), 10)
+    for _ in range(3):
+        yoco.reuse(ctx, key, lambda: builds.append(1) or (torch.zeros(2), torch.zeros(2)))
+    assert len(builds) == 1 and not [k for k in yoco.totals() if "verify" in k]
+
+
+def test_verify_rebuilds_each_hit_and_counts_equal_and_mismatch(fresh):
+    _verify_on(fresh)
+    ctx = types.SimpleNamespace()
+    key = yoco.decode_indices_key(20, "L20", 1, object(), object(), 3)
+    value = [torch.tensor([5, 6, 7, 0], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)]
+
+    def build():  # a ragged list whose buffer tail is never written: garbage there
+        flat = value[0].clone()
+        flat[3] = torch.randint(100, 200, ()).item()
+        return flat, value[1].clone()
+    first = yoco.reuse(ctx, key, build)
+    assert yoco.reuse(ctx, key, build) is first
+    assert yoco.totals()["decode_indices.verify_equal"] == 1
+    value[0][1] = 9                             # a rebuild that differs inside the lengths
+    assert yoco.reuse(ctx, key, build) is first  # the reused product is still handed out
+    assert yoco.totals()["decode_indices.verify_mismatch"] == 1
+
+
+def test_same_product_rules():
+    i32 = dict(dtype=torch.int32)
+    # ragged: up to indptr[-1]; the indptr itself exactly
+    a = (torch.tensor([1, 2, 3, 99], **i32), torch.tensor([0, 3], **i32))
+    assert yoco.same_product(yoco.SWA_RAGGED, a, (torch.tensor([1, 2, 3, -5], **i32), a[1]))
+    assert not yoco.same_product(yoco.SWA_RAGGED, a, (torch.tensor([1, 2, 4, 99], **i32), a[1]))
+    assert not yoco.same_product(yoco.SWA_RAGGED, a, (a[0], torch.tensor([0, 2], **i32)))
+    # combined lists: each row up to its length; the lengths exactly
+    x = torch.tensor([[1, 2, -1], [4, -1, -1]], **i32)
+    lens = torch.tensor([2, 1], **i32)
+    y = x.clone()
+    y[1, 2] = 77
+    assert yoco.same_product(yoco.COMBINE, (x, lens), (y, lens))
+    y[0, 1] = 3
+    assert not yoco.same_product(yoco.COMBINE, (x, lens), (y, lens))
+    assert not yoco.same_product(yoco.COMBINE, (x, lens), (x, torch.tensor([2, 2], **i32)))
+    # anything else: every bit (-0.0 and 0.0 differ; equal NaN payloads are equal)
+    z = torch.tensor([0.0, float("nan")])
+    assert yoco.same_product(yoco.GATHER, z, z.clone())
+    assert not yoco.same_product(yoco.GATHER, z, torch.tensor([-0.0, float("nan")]))
+    assert not yoco.same_product(yoco.GATHER, z, z.double())
+
+
+def test_verify_prefill_kv_regathers_and_compares(fresh):
+    _verify_on(fresh)
+    ctx = types.SimpleNamespace()
+    ws = torch.zeros(2 * 16 * 8)
+    fallback = lambda: ws.view(2, 16, 8)  # noqa: E731
+    key = yoco.gather_key("L20", 1, object(), object(), (0, 2, 10, 16))
+    kv, have = yoco.prefill_kv(ctx, key, 2, 16, 8, "cpu", fallback)
+    assert not have
+    kv[:, :10] = 3.0
+    kv[:, 10:] = 1.0
+    yoco.verify_gather(ctx, kv, 10)              # a miss: nothing to compare
+    assert not [k for k in yoco.totals() if "verify" in k]
+    kv2, have2 = yoco.prefill_kv(ctx, key, 2, 16, 8, "cpu", fallback)
+    assert not have2 and kv2.data_ptr() == kv.data_ptr()   # hit, but gather again
+    kv2[:, 10:] = 2.0                            # the consumer's own SWA rows: not compared
+    kv2[:, :10] = 3.0
+    yoco.verify_gather(ctx, kv2, 10)
+    assert yoco.totals()["gather.verify_equal"] == 1 and yoco.totals()["gather.hit"] == 1
+    kv3, _ = yoco.prefill_kv(ctx, key, 2, 16, 8, "cpu", fallback)
+    kv3[1, 4] = 5.0                              # a regather that differs
+    yoco.verify_gather(ctx, kv3, 10)
+    assert yoco.totals()["gather.verify_mismatch"] == 1
+
+
+def test_verify_indexer_k_regathers_and_compares(fresh):
+    _verify_on(fresh)
+    rows = 40
+    cache_rows = (torch.randint(0, 255, (rows, 128), dtype=torch.uint8),
+                  torch.randint(0, 255, (rows, 4), dtype=torch.uint8))
+    ws = (torch.zeros(64, 128, dtype=torch.uint8), torch.zeros(64, 4, dtype=torch.uint8))
+    chunks = [(types.SimpleNamespace(rows=rows), True)]
+    ctx, calls = types.SimpleNamespace(), []
+    _indexer_call(ctx, "L20.k", chunks, cache_rows, calls, ws)
+    second = _indexer_call(ctx, "L20.k", chunks, cache_rows, calls, ws)
+    assert calls == ["L20.k"] * 2                # the hit gathered again to compare
+    assert yoco.totals()["indexer_k.verify_equal"] == 1
+    assert torch.equal(second[0][0], cache_rows[0])
+    cache_rows[0][3, 3] ^= 1                      # the cache changed under the reuse
+    _indexer_call(ctx, "L20.k", chunks, cache_rows, calls, ws)
+    assert yoco.totals()["indexer_k.verify_mismatch"] == 1

@@ -65,3 +65,26 @@ def test_stack_outputs_identical_and_launches_fewer(ys, decode, monkeypatch):
         b = fc._deepinfer_yoco.builds
         assert b["gather"] == 2 and b["combine"] == 4 and b["indexer_k"] == 2
     assert sum(on.values()) < sum(off.values())
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_stack_verify_mode_finds_every_reused_product_equal(ys, decode, monkeypatch):
+    """DEEPINFER_YOCO_VERIFY=1: every hit is built again and compared; on the miniature
+    layout every comparison is equal and the outputs are still those of reuse off."""
+    import one_layer as ol
+    from vllm.deepinfer import yoco
+    interp_bf16.patch(monkeypatch.setattr)
+    layout = ys.Layout(ratios=(0, 2, 2, 1, 1, 1), kv_sources=(1, 3), index_sources=(1, 3, 4))
+    ctx, q = ((40, 25), (1, 1)) if decode else ((24,), (3,))
+    st = ys.Stack(ol.Spec(**SMALL), ctx, q, "cpu", "sm80", layout)
+    _, out_off, _ = _launches(st, reuse=False)
+    monkeypatch.setenv("DEEPINFER_YOCO_VERIFY", "1")
+    yoco.reset_totals()
+    _, out_on, _ = _launches(st, reuse=True)
+    t = yoco.totals()
+    for a, b in zip(out_off, out_on):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert not [k for k in t if k.endswith(".verify_mismatch")], t
+    kinds = ("swa_ragged", "decode_indices") if decode else ("gather", "combine", "indexer_k")
+    for kind in kinds:
+        assert t.get(f"{kind}.verify_equal", 0) == t.get(f"{kind}.hit", 0) > 0, (kind, t)

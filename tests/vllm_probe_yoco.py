@@ -361,11 +361,26 @@ def run(record) -> None:
         os.environ.pop("DEEPINFER_YOCO_REUSE")
         routing.reset()
 
-    def equal():
+    def equal(label="on"):
         import torch
-        on, off = state["on"], state["off"]
+        on, off = state[label], state["off"]
         return [bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
                 for a, b in zip(on, off)]
     record("yoco/outputs_equal", equal)
+
+    def verify():
+        # DEEPINFER_YOCO_VERIFY=1: every hit built again through the class's own calls and
+        # compared (vllm.deepinfer.yoco); the totals say how many compared equal.
+        from vllm.deepinfer import yoco
+        os.environ[yoco.VERIFY_VARIABLE] = "1"
+        try:
+            yoco.reset_totals()
+            got = one("verify")
+            got["totals"] = yoco.totals()
+            got["outputs_equal_off"] = equal("verify")
+            return got
+        finally:
+            os.environ.pop(yoco.VERIFY_VARIABLE)
+    record("yoco/verify", verify)
     record("yoco/flashmla_decode", flashmla_decode)
     record("yoco/indexer_k", indexer_k)

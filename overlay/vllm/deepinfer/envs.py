@@ -112,6 +112,9 @@ VARIABLES: dict[str, str] = {
     "DEEPINFER_SORTED_TOPK": "test-only: 1 sorts each indexer top-k row after selection "
                              "(upstream's top-k kernels place entries by atomics, so their "
                              "order, and the attention's summation order, vary run to run)",
+    "DEEPINFER_YOCO_VERIFY": "test-only: 1 rebuilds every product cross-layer reuse hands "
+                             "out and compares it bit for bit with the reused one "
+                             "(vllm.deepinfer.yoco; counts in yoco.totals())",
 }
 
 PREFIX = "DEEPINFER_"

@@ -54,12 +54,22 @@ Lifetime and safety
 
 Switch: feature ``yoco_reuse`` (``DEEPINFER_YOCO_REUSE=0`` turns it off; on by default on every
 variant). Importable without vLLM (the forward context is passed in by the callers).
+
+Verification (test switch ``DEEPINFER_YOCO_VERIFY=1``, eager only): at every hit the layer
+builds its product again, as it would with reuse off, and the two are compared bit for bit
+(``totals()``: ``<kind>.verify_equal`` / ``<kind>.verify_mismatch``; a mismatch is logged
+with its key). Inside one forward both builds read the same inputs, so this holds reuse to
+identity in a served engine even where two runs of the engine differ (docs/yoco.md).
+Ragged products are compared up to their lengths: their buffers' tails are never written.
+The two buffer products (gathered compressed K, indexer K) are gathered again in place, so
+under verification the layer reads its own build of those.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import logging
+import os
 from typing import Any, Callable, Hashable
 
 import torch
@@ -72,7 +82,8 @@ __all__ = ["FEATURE", "StepCache", "GatherBuffer", "enabled", "step_cache", "reu
            "decode_indices_key", "swa_ragged_key", "combine_key", "gather_key", "indexer_k_key", "totals",
            "reset_totals", "parallel_reason", "gather_buffer", "reserve_gather_buffer",
            "GATHER_BUFFER_MAX_BYTES", "INDEXER_K_MAX_ROWS", "NO_REUSE",
-           "indexer_k_rows", "reserve_indexer_k", "prefill_kv", "chunk_order"]
+           "indexer_k_rows", "reserve_indexer_k", "prefill_kv", "chunk_order",
+           "VERIFY_VARIABLE", "verify_enabled", "same_product", "verify_gather"]
 
 FEATURE = "yoco_reuse"
 # The attribute of vLLM's ForwardContext that holds the forward's StepCache.
@@ -101,6 +112,65 @@ GATHER_BUFFER_MAX_BYTES = 256 << 20
 INDEXER_K_MAX_ROWS = 512 * 1024
 
 _totals: collections.Counter = collections.Counter()
+
+# Test switch (envs.VARIABLES): rebuild every reused product and compare (module docstring).
+VERIFY_VARIABLE = "DEEPINFER_YOCO_VERIFY"
+
+
+def verify_enabled() -> bool:
+    """``DEEPINFER_YOCO_VERIFY=1``, read at every call; never while a CUDA graph is being
+    captured (the comparison reads values back to the host)."""
+    if os.environ.get(VERIFY_VARIABLE, "0").strip() != "1":
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _tensors_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and a.dtype == b.dtype
+                and (a.numel() == 0 or bool(torch.equal(_bits(a), _bits(b)))))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def same_product(kind: str, a: Any, b: Any) -> bool:
+    """Whether two builds of one product are the same bit for bit, where they are defined:
+    a ragged list ``(flat, indptr)`` (DECODE_INDICES, SWA_RAGGED) up to ``indptr[-1]``
+    entries, combined lists ``(indices [T, W], lens [T])`` (COMBINE) up to each row's length;
+    anything else (tensors, tuples of them) entirely."""
+    if kind in (DECODE_INDICES, SWA_RAGGED) and isinstance(a, tuple) and len(a) == 2 \
+            and isinstance(b, tuple) and len(b) == 2 and a[1] is not None and b[1] is not None:
+        (fa, ia), (fb, ib) = a, b
+        if not _tensors_equal(ia, ib):
+            return False
+        n = int(ia[-1]) if ia.numel() else 0
+        if n > fa.numel() or n > fb.numel():
+            return False
+        return fa.dtype == fb.dtype and _tensors_equal(fa.reshape(-1)[:n], fb.reshape(-1)[:n])
+    if kind == COMBINE and isinstance(a, tuple) and len(a) == 2 and isinstance(b, tuple) \
+            and len(b) == 2:
+        (xa, la), (xb, lb) = a, b
+        if not _tensors_equal(la, lb) or xa.shape != xb.shape or xa.dtype != xb.dtype:
+            return False
+        if xa.dim() != 2:
+            return _tensors_equal(xa, xb)
+        cols = torch.arange(xa.shape[1], device=xa.device)
+        valid = cols[None, :] < la.reshape(-1, 1).to(cols.device)
+        return _tensors_equal(xa[valid], xb[valid])
+    return _tensors_equal(a, b)
+
+
+def _verified(kind: str, key: Any, same: bool) -> None:
+    _totals[f"{kind}.verify_{'equal' if same else 'mismatch'}"] += 1
+    if not same:
+        logger.warning("deepinfer: yoco verify: the reused %s differs from a fresh build "
+                       "(key %r)", kind, key)
 
 
 def enabled() -> bool:
@@ -147,6 +217,8 @@ class StepCache:
         self.indexer_k_holder: Hashable | None = None
         # Where the last gathering indexer chunk put its rows ("own" buffer or None).
         self.indexer_k_last: str | None = None
+        # DEEPINFER_YOCO_VERIFY: (key, copy of the gather view) awaiting verify_gather.
+        self.gather_snapshot: tuple | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -164,6 +236,8 @@ class StepCache:
         hit = self._entries.get(key)
         if hit is not None:
             self.count(key[0], hit=True)
+            if verify_enabled():
+                _verified(key[0], key, same_product(key[0], hit, build()))
             return hit
         value = build()
         self._entries[key] = value
@@ -324,10 +398,29 @@ def prefill_kv(forward_context: Any, key: tuple | None, size: int, m: int, dim: 
     held = (buf.generation, key)
     if cache.gather_holder == held:
         cache.count(GATHER, hit=True)
+        if verify_enabled():
+            # The caller gathers the compressed rows again over this copy's rows and then
+            # calls verify_gather, which compares.
+            cache.gather_snapshot = (key, kv.clone())
+            return kv, False
         return kv, True
     cache.gather_holder = held
     cache.count(GATHER, hit=False)
     return kv, False
+
+
+def verify_gather(forward_context: Any, kv: torch.Tensor, n: int) -> None:
+    """After a layer gathered a chunk's compressed rows into a view that prefill_kv had
+    already found holding them (only under DEEPINFER_YOCO_VERIFY=1): compare its rows
+    [0, ``n``) (the chunk's N; rows past a request's own count are written by neither
+    gather) with what they held before. A no-op otherwise."""
+    cache = step_cache(forward_context)
+    snap = None if cache is None else cache.gather_snapshot
+    if snap is None:
+        return
+    cache.gather_snapshot = None
+    key, before = snap
+    _verified(GATHER, key, _tensors_equal(before[:, :n], kv[:, :n]))
 
 
 def chunk_order(forward_context: Any, plan: list, key_of: Callable[[tuple], tuple | None]):
@@ -413,6 +506,10 @@ def indexer_k_rows(forward_context: Any, k_cache_prefix: str, chunk: Any,
     cache.indexer_k_last = "own"
     if cache.indexer_k_holder == key:
         cache.count(INDEXER_K, hit=True)
+        if verify_enabled():
+            before = (own[0].clone(), own[1].clone())
+            gather(*own)
+            _verified(INDEXER_K, key, _tensors_equal(before, tuple(own)))
         return own
     gather(*own)
     cache.indexer_k_holder = key

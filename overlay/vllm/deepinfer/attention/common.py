@@ -373,6 +373,7 @@ class AmpereAttentionMixin:
                 gather(kv[:size], comp_cache, seq_lens=seq_lens[c0:c1] // self.compress_ratio,
                        gather_lens=None, block_table=block_table[c0:c1],
                        block_size=comp_metadata.block_size // self.compress_ratio, offset=0)
+                yoco.verify_gather(fc, kv[:size], chunk_n)  # DEEPINFER_YOCO_VERIFY only
             gather(kv[:size], swa_cache, seq_lens=seq_lens[c0:c1],
                    gather_lens=gather_lens[c0:c1],
                    block_table=swa_metadata.block_table[nd:][c0:c1],
