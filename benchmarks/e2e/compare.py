@@ -4,7 +4,9 @@ Per pair: prompt positions (teacher-forced, so every position counts): share of 
 whose top-1 token agrees, max and mean |difference| of the logprob each run gives the actual
 next prompt token. Generated tokens: the greedy sequences are compared token by token; the
 logprobs of the chosen tokens are compared up to the first divergence (after it the runs
-condition on different text).
+condition on different text). ``first_divergence``: per prompt, the first generated token
+that differs; ``first_prompt_difference``: per prompt, the first prompt position whose
+logprob differs at all (None: none).
 
     python benchmarks/e2e/compare.py A.json B.json
 """
@@ -19,15 +21,19 @@ def pair(a: dict, b: dict) -> dict:
     dmax = dsum = 0.0
     gen_n = gen_same = 0
     gen_dmax = 0.0
-    first_div = []
+    first_div, first_prompt = [], []
     for pa, pb in zip(a["prompts"], b["prompts"]):
         assert pa["prompt_len"] == pb["prompt_len"], "runs used different prompts"
-        for (ta, _, la), (tb, _, lb) in zip(pa["prompt"], pb["prompt"]):
+        first = None
+        for i, ((ta, _, la), (tb, _, lb)) in enumerate(zip(pa["prompt"], pb["prompt"])):
             n += 1
             agree += ta == tb
             if la is not None and lb is not None:
                 d = abs(la - lb)
                 dmax, dsum = max(dmax, d), dsum + d
+                if d and first is None:
+                    first = i
+        first_prompt.append(first)
         div = None
         for i, (ga, gb) in enumerate(zip(pa["generated"], pb["generated"])):
             gen_n += 1
@@ -40,7 +46,7 @@ def pair(a: dict, b: dict) -> dict:
     return dict(prompt_positions=n, top1_agree=agree / max(n, 1), max_abs_dlogprob=dmax,
                 mean_abs_dlogprob=dsum / max(n, 1), generated_tokens=gen_n,
                 generated_same_prefix=gen_same, generated_max_abs_dlogprob=gen_dmax,
-                first_divergence=first_div)
+                first_divergence=first_div, first_prompt_difference=first_prompt)
 
 
 def spread(r: dict) -> dict:

@@ -57,7 +57,13 @@ MODES = ("a100", "sm90", "upstream")
 # the indexer's top-k rows sorted (run.py's *_det modes): without that, two runs of one
 # engine already differ (docs/yoco.md). Pairs of the unsorted modes from earlier runs in the
 # work folder are reported too.
-YOCO_MODES = ("a100_det", "a100_det_noyoco", "a100_det_rerun", "sm90_det", "sm90_det_noyoco")
+YOCO_MODES = ("a100_verify", "sm90_verify",
+              "a100_det", "a100_det_noyoco", "a100_det_rerun", "sm90_det", "sm90_det_noyoco")
+# Product kinds every verify run must have compared at least once (rows kernel="yoco_verify"):
+# the agreement prompts decode and prefill in chunks on every compressed layer. V4 shares no
+# KV source, so its gathers and indexer K are never reused (docs/yoco.md).
+VERIFY_KINDS = {"v41-mini": ("decode_indices", "swa_ragged", "combine", "gather", "indexer_k"),
+                "v4-mini": ("swa_ragged",)}
 # The reuse-on a100 run of --steps yoco also generates its prompts a second time in the same
 # process: were that identical while a second process differs, the run-to-run variation
 # comes from process state (allocation, caches, heuristics), not from the kernels' math.
@@ -168,6 +174,25 @@ def run_reference(work: Path, name: str, kv_fp8: bool, lens=None) -> Path | None
         cmd.append("--mimic-kv-fp8")
     rc = sh(cmd, work / f"{out.stem}.log", timeout=RUN_TIMEOUT_S)
     return out if rc == 0 and out.exists() else None
+
+
+def verify_row(name: str, mode: str, totals: dict) -> dict:
+    """kernel="yoco_verify": every product cross-layer reuse handed out while serving was
+    built again and compared bit for bit (DEEPINFER_YOCO_VERIFY=1). Passes when nothing
+    differed and each kind the model reuses was compared."""
+    kinds = sorted({k.split(".")[0] for k in totals})
+    per = {k: dict(hits=totals.get(f"{k}.hit", 0), builds=totals.get(f"{k}.build", 0),
+                   equal=totals.get(f"{k}.verify_equal", 0),
+                   mismatch=totals.get(f"{k}.verify_mismatch", 0)) for k in kinds}
+    need = VERIFY_KINDS.get(name, ())
+    missing = [k for k in need if per.get(k, {}).get("equal", 0) == 0]
+    mismatches = sum(v["mismatch"] for v in per.values())
+    unverified = [k for k, v in per.items() if v["hits"] != v["equal"] + v["mismatch"]]
+    return dict(kernel="yoco_verify", variant=mode, shape=dict(model=name, eager=True),
+                passed=mismatches == 0 and not missing and not unverified,
+                mismatches=mismatches, compared=sum(v["equal"] + v["mismatch"]
+                                                    for v in per.values()),
+                kinds_not_compared=missing, hits_not_compared=unverified, per_kind=per)
 
 
 def _identical(p: dict) -> bool:
@@ -459,6 +484,10 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                                  identical=same, top1_agree=p["top1_agree"],
                                  max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
         for (n, mode, eager), r in runs.items():
+            if n != name or not mode.endswith("_verify") or "yoco_totals" not in r:
+                continue
+            rows.append(verify_row(name, mode, r["yoco_totals"]))
+        for (n, mode, eager), r in runs.items():
             if n != name or not (r.get("noyoco_in_process") or r.get("noyoco_in_process_error")):
                 continue
             row = dict(kernel="yoco_e2e", variant=f"{mode}_in_process_on_vs_off",
@@ -527,6 +556,11 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
             print(f"  reference check {row['shape']['model']} {row['shape']['reference']}: "
                   f"{'PASS' if row['passed'] else 'FAIL'} a100 {row['a100']} upstream "
                   f"{row['upstream']} margin {row['margin']}")
+        elif row["kernel"] == "yoco_verify":
+            print(f"  yoco verify {row['shape']['model']} {row['variant']}: "
+                  f"{'PASS' if row['passed'] else 'FAIL'}, {row['compared']} reused "
+                  f"products compared, {row['mismatches']} differ; not compared: "
+                  f"{row['kinds_not_compared'] or 'none'}")
         elif row["kernel"] == "e2e":
             print(f"  {row['variant']:9s} {row['shape']['phase']:8s} b{row['shape']['batch']:<3d} "
                   f"L{row['shape']['prompt_len']:<6d} "

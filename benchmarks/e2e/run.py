@@ -15,6 +15,8 @@ Modes (the overlay must be installed into the vLLM this python imports):
             (on Hopper: FlashMLA + DeepGEMM).
   a100_noyoco, sm90_noyoco   the same with cross-layer reuse off (DEEPINFER_YOCO_REUSE=0)
   a100_rerun                 a100 again (run-to-run floor)
+  a100_verify, sm90_verify   reuse on, every reused product rebuilt and compared bit for bit
+                             in the forward (DEEPINFER_YOCO_VERIFY=1; result 'yoco_totals')
   a100_det, sm90_det, a100_det_noyoco, sm90_det_noyoco, a100_det_rerun
                              the same with the indexer's top-k rows sorted
                              (DEEPINFER_SORTED_TOPK=1: a run-to-run identical key order)
@@ -42,6 +44,11 @@ MODES = {
                     "DEEPINFER_YOCO_REUSE": "0"},
     "a100_rerun": {"DEEPINFER_EMULATE_CAPABILITY": "8.0"},
 }
+# Cross-layer reuse with every reused product built again and compared bit for bit inside
+# the forward (DEEPINFER_YOCO_VERIFY=1, eager): the check that holds reuse to identity in
+# a served engine, where two generations of one engine already differ (docs/e2e.md).
+MODES["a100_verify"] = dict(MODES["a100"], DEEPINFER_YOCO_VERIFY="1")
+MODES["sm90_verify"] = dict(MODES["sm90"], DEEPINFER_YOCO_VERIFY="1")
 # The same comparisons with the indexer's top-k rows sorted (DEEPINFER_SORTED_TOPK=1, a test
 # switch): upstream's top-k kernels order their output by atomics, so two runs of one engine
 # sum the same keys in different orders and, through the next layers' top-k, drift apart
@@ -98,6 +105,8 @@ def agree(llm, vocab: int, args) -> dict:
     ps = prompts(args.lens, vocab, args.seed)
     sp = SamplingParams(max_tokens=args.gen, temperature=0.0, logprobs=TOPK_LOGPROBS,
                         prompt_logprobs=TOPK_LOGPROBS, detokenize=False)
+    from vllm.deepinfer import yoco
+    yoco.reset_totals()  # what the load's profile and warmup runs counted is not served
     zero = getattr(args, "zero_kv", False)
 
     def gen():
@@ -108,7 +117,7 @@ def agree(llm, vocab: int, args) -> dict:
     outs = gen()
     dt = time.perf_counter() - t0
     repeats = [_agree_rows(ps, gen()) for _ in range(max(0, getattr(args, "repeat", 1) - 1))]
-    out = dict(seconds=dt, prompts=_agree_rows(ps, outs))
+    out = dict(seconds=dt, prompts=_agree_rows(ps, outs), yoco_totals=yoco.totals())
     if repeats:
         out["repeats"] = repeats
     if getattr(args, "toggle_yoco", False):
