@@ -49,6 +49,10 @@ def _fake_run(tokens_by_mode: dict, started: list, delay: float = 0.0):
             tok2 = tokens_by_mode.get(mode + "#2", tok)
             run["repeats"] = [[dict(prompt_len=3, prompt=[[tok2, -0.5, -1.0], [7, -0.4, -2.0]],
                                     generated=[[9, -0.1, []], [tok2, -0.2, []]])]]
+        if mode.endswith("_verify"):  # DEEPINFER_YOCO_VERIFY=1: every hit compared
+            run["yoco_totals"] = {f"{k}.{c}": 2 for k in ("decode_indices", "swa_ragged",
+                                                          "combine", "gather", "indexer_k")
+                                  for c in ("hit", "verify_equal")}
         if "--toggle-yoco" in cmd:  # once more in the same process, reuse off
             tok3 = tokens_by_mode.get(mode + "#off", tok)
             run["noyoco_in_process"] = [dict(prompt_len=3, prompt=[[tok3, -0.5, -1.0],
@@ -80,9 +84,9 @@ def test_each_run_once_in_priority_order(monkeypatch, tmp_path):
                                         "--parallel", "1"], _fake_run({}, started))
     stems = [s for s, _, _ in started]
     assert len(stems) == len(set(stems)), "a run was started twice"
-    # 6 eager agreement + 4 graphs (a100, upstream) + 10 sorted-top-k reuse on/off/rerun
-    # + 2 nocompile + 2 sm90 graphs
-    assert len(stems) == 24
+    # 6 eager agreement + 4 graphs (a100, upstream) + 4 reuse verify + 10 sorted-top-k reuse
+    # on/off/rerun + 2 nocompile + 2 sm90 graphs
+    assert len(stems) == 28
     assert stems[:6] == [f"{n}-{m}-agree-eager" for n in e2e.AGREE_MODELS for m in e2e.MODES]
     assert stems[-2:] == [f"{n}-sm90-agree-graphs" for n in e2e.AGREE_MODELS]
     assert all(kv for _, kv, _ in started), "agreement engines get a fixed KV cache size"
@@ -94,6 +98,10 @@ def test_each_run_once_in_priority_order(monkeypatch, tmp_path):
     assert ("yoco_e2e", "a100_det_vs_a100_det_noyoco") in kinds
     assert ("yoco_e2e", "a100_det_vs_a100_det_rerun") in kinds
     assert ("zero_compile", "a100") in kinds
+    verify = [r for r in out["rows"] if r["kernel"] == "yoco_verify"]
+    assert {(r["shape"]["model"], r["variant"]) for r in verify} == {
+        (n, m) for n in e2e.AGREE_MODELS for m in ("a100_verify", "sm90_verify")}
+    assert all(r["passed"] for r in verify)
     assert out["meta"]["failed_runs"] == []
 
 
@@ -266,3 +274,26 @@ def test_yoco_modes_selects_the_yoco_step_engines(monkeypatch, tmp_path):
     with pytest.raises(SystemExit):
         _main(monkeypatch, tmp_path, ["--steps", "yoco", "--yoco-modes", "a100_nope"],
               _fake_run({}, []))
+
+
+def test_verify_row_passes_only_when_every_hit_compared_equal():
+    """rows kernel="yoco_verify" (run.py's *_verify modes): nothing differed, every hit was
+    compared, and each kind the model reuses was compared at least once."""
+    ok = {"decode_indices.build": 3, "decode_indices.hit": 5, "decode_indices.verify_equal": 5,
+          "swa_ragged.hit": 2, "swa_ragged.verify_equal": 2, "combine.hit": 1,
+          "combine.verify_equal": 1, "gather.hit": 4, "gather.verify_equal": 4,
+          "indexer_k.hit": 2, "indexer_k.verify_equal": 2}
+    row = e2e.verify_row("v41-mini", "a100_verify", ok)
+    assert row["passed"] and row["compared"] == 14 and row["mismatches"] == 0
+    assert row["per_kind"]["decode_indices"] == dict(hits=5, builds=3, equal=5, mismatch=0)
+    bad = dict(ok, **{"gather.verify_equal": 3, "gather.verify_mismatch": 1})
+    assert e2e.verify_row("v41-mini", "a100_verify", bad)["mismatches"] == 1
+    assert not e2e.verify_row("v41-mini", "a100_verify", bad)["passed"]
+    missing = {k: v for k, v in ok.items() if not k.startswith("indexer_k")}
+    r = e2e.verify_row("v41-mini", "a100_verify", missing)
+    assert not r["passed"] and r["kinds_not_compared"] == ["indexer_k"]
+    uncompared = dict(ok, **{"combine.hit": 2})
+    r = e2e.verify_row("v41-mini", "a100_verify", uncompared)
+    assert not r["passed"] and r["hits_not_compared"] == ["combine"]
+    assert e2e.verify_row("v4-mini", "sm90_verify",
+                          {"swa_ragged.hit": 1, "swa_ragged.verify_equal": 1})["passed"]
