@@ -13,6 +13,16 @@ from collections import defaultdict
 from pathlib import Path
 
 
+
+def _save(fig, out: Path) -> Path:
+    """Lay out, write (110 dpi) and close a figure; returns its path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
 def _label(shape: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in shape.items())
 
@@ -54,12 +64,7 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
         ax.set_title(f"{kernel} — {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']})",
                      fontsize=9)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        out = out_dir / f"{path.stem}-{kernel}.png"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=110)
-        plt.close(fig)
-        written.append(out)
+        written.append(_save(fig, out_dir / f"{path.stem}-{kernel}.png"))
     return written
 
 
@@ -92,11 +97,7 @@ def chart_e2e(rs: list[dict], meta: dict, out: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(f"vLLM serving throughput, {rs[0]['shape']['model']} — {meta['gpu']} "
                  f"(a100 = A100-faithful kernel choice run on this GPU, not an A100)", fontsize=9)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def chart_yoco(rs: list[dict], meta: dict, out: Path) -> Path:
@@ -124,11 +125,7 @@ def chart_yoco(rs: list[dict], meta: dict, out: Path) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle(f"DeepSeek-V4.1 attention, 40 layers, cross-layer metadata reuse — {meta['gpu']} "
                  f"(torch {meta['torch']}, triton {meta['triton']})", fontsize=9)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def main(argv=None) -> int:

@@ -21,9 +21,7 @@ for heads in (64,):
     for tokens in (1, 16, 64, 128):
         keys = S.TOPK + S.WINDOW
         flops = 2 * 2 * tokens * heads * keys * 512
-        inputs = h.copies(lambda: S.make_inputs(h.dev, tokens, heads, S.TOPK, S.WINDOW,
-                                                seed=torch.randint(0, 1 << 30, ()).item()),
-                          tokens * (S.WINDOW + 2 * S.TOPK) * 584, max_copies=8)
+        inputs = S.ring_inputs(h, tokens, heads)
         ref = S.reference(inputs[0])
         outs = [torch.empty_like(xi["q"]) for xi in inputs]
         for var, bh, bn, w, st, cps, pf in cands:

@@ -286,9 +286,7 @@ def gpu_sweep(args, cands: list[Cand], sm80: dict) -> tuple[list[dict], dict]:
     for tokens in args.tokens:
         keys = S.TOPK + S.WINDOW
         flops = 2 * 2 * tokens * HEADS * keys * 512
-        inputs = h.copies(lambda: S.make_inputs(h.dev, tokens, HEADS, S.TOPK, S.WINDOW,
-                                                seed=torch.randint(0, 1 << 30, ()).item()),
-                          tokens * (S.WINDOW + 2 * S.TOPK) * 584, max_copies=8)
+        inputs = S.ring_inputs(h, tokens, HEADS)
         ref = S.reference(inputs[0])
         outs = [torch.empty_like(xi["q"]) for xi in inputs]
         for c in cands:

@@ -112,15 +112,22 @@ def upstream(x: dict, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def ring_inputs(h: Harness, tokens: int, heads: int, topk: int = TOPK,
+                window: int = WINDOW) -> list[dict]:
+    """Fresh random inputs, as many copies as the harness's ring needs (over twice the L2),
+    at most 8; the sweeps in benchmarks/diag use the same."""
+    per_copy = tokens * (window + 2 * topk) * RECORD_BYTES + tokens * heads * HEAD_DIM * 2
+    return h.copies(lambda: make_inputs(h.dev, tokens, heads, topk, window,
+                                        seed=torch.randint(0, 1 << 30, ()).item()), per_copy,
+                    max_copies=8)
+
+
 def _case(h: Harness, tokens: int, heads: int, topk: int, window: int) -> None:
     keys = topk + window
     shape = dict(tokens=tokens, heads=heads, topk=topk, window=window)
     flops = 2 * 2 * tokens * heads * keys * HEAD_DIM
     nbytes = tokens * keys * RECORD_BYTES + 2 * (2 * tokens * heads * HEAD_DIM)
-    per_copy = tokens * (window + 2 * topk) * RECORD_BYTES + tokens * heads * HEAD_DIM * 2
-    inputs = h.copies(lambda: make_inputs(h.dev, tokens, heads, topk, window,
-                                          seed=torch.randint(0, 1 << 30, ()).item()), per_copy,
-                      max_copies=8)
+    inputs = ring_inputs(h, tokens, heads, topk, window)
     x = inputs[0]
     ref = reference(x)
     out_up = upstream(x, torch.empty_like(x["q"]))
