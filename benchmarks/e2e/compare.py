@@ -49,6 +49,14 @@ def pair(a: dict, b: dict) -> dict:
                 first_divergence=first_div, first_prompt_difference=first_prompt)
 
 
+def identical(p: dict) -> bool:
+    """A pair() result's verdict of bit-identity: every prompt position and every generated
+    token and logprob."""
+    return (p["max_abs_dlogprob"] == 0.0 and p["top1_agree"] == 1.0
+            and all(d is None for d in p["first_divergence"])
+            and p["generated_max_abs_dlogprob"] == 0.0)
+
+
 def spread(r: dict) -> dict:
     """How far the logits are from uniform: mean top-1 logprob of the prompt positions."""
     tops = [t[1] for p in r["prompts"] for t in p["prompt"]]

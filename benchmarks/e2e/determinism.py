@@ -41,17 +41,11 @@ CASES = (
 ENGINE_ARGS = ["--task", "agree", "--eager", "--kv-cache-gib", "4", "--gpu-mem", "0.22"]
 
 
-def _identical(p: dict) -> bool:
-    return (p["max_abs_dlogprob"] == 0.0 and p["top1_agree"] == 1.0
-            and all(d is None for d in p["first_divergence"])
-            and p["generated_max_abs_dlogprob"] == 0.0)
-
-
 def _cmp(first: dict, prompts: list) -> dict:
     p = compare.pair(first, dict(first, prompts=prompts))
     keep = ("top1_agree", "max_abs_dlogprob", "mean_abs_dlogprob", "generated_max_abs_dlogprob",
             "first_divergence", "first_prompt_difference")
-    return dict(identical=_identical(p), **{k: p[k] for k in keep})
+    return dict(identical=compare.identical(p), **{k: p[k] for k in keep})
 
 
 def rows_from(work: Path) -> list[dict]:

@@ -195,13 +195,6 @@ def verify_row(name: str, mode: str, totals: dict) -> dict:
                 kinds_not_compared=missing, hits_not_compared=unverified, per_kind=per)
 
 
-def _identical(p: dict) -> bool:
-    """compare.pair's verdict of bit-identity: every prompt position and generated token."""
-    return (p["max_abs_dlogprob"] == 0.0 and p["top1_agree"] == 1.0
-            and all(d is None for d in p["first_divergence"])
-            and p["generated_max_abs_dlogprob"] == 0.0)
-
-
 def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=()) -> Path | None:
     cfg, fmt = MODELS[name]
     tag = f"{name}-{mode}-{task}-{'eager' if eager else 'graphs'}"
@@ -468,7 +461,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
             a, b = runs.get((name, on, True)), runs.get((name, off, True))
             if a and b:
                 p = compare.pair(a, b)
-                same = _identical(p)
+                same = compare.identical(p)
                 rows.append(dict(kernel="yoco_e2e", variant=f"{on}_vs_{off}",
                                  shape=dict(model=name, eager=True), identical=same,
                                  top1_agree=p["top1_agree"],
@@ -478,7 +471,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                 continue
             for i, rep in enumerate(r["repeats"], start=2):
                 p = compare.pair(r, dict(r, prompts=rep))
-                same = _identical(p)
+                same = compare.identical(p)
                 rows.append(dict(kernel="e2e_repeat", variant=f"{mode}_run1_vs_run{i}",
                                  shape=dict(model=name, eager=eager, same_process=True),
                                  identical=same, top1_agree=p["top1_agree"],
@@ -494,7 +487,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                        shape=dict(model=name, eager=eager, same_process=True))
             if r.get("noyoco_in_process"):
                 p = compare.pair(r, dict(r, prompts=r["noyoco_in_process"]))
-                row.update(identical=_identical(p), top1_agree=p["top1_agree"],
+                row.update(identical=compare.identical(p), top1_agree=p["top1_agree"],
                            max_abs_dlogprob=p["max_abs_dlogprob"], detail=p)
             else:
                 row.update(identical=None, error=r["noyoco_in_process_error"])
