@@ -492,6 +492,28 @@ def test_yoco_verify_mode_through_the_ampere_class(yoco_probe):
         "decode_indices": 2, "swa_ragged": 5, "gather": 3, "combine": 2}
 
 
+def test_yoco_reuse_across_swa_cache_groups(yoco_probe):
+    """vLLM puts neighbouring layers' SWA caches in different cache groups, each with its own
+    metadata object: the same layers alternating between two groups (own block tables and
+    buffers, the batch's common storage) still share every product but the SWA window's
+    lists (one per group), with outputs the same bytes as reuse off and every hit rebuilt
+    equal under DEEPINFER_YOCO_VERIFY=1."""
+    on, off = _value(yoco_probe, "yoco/groups2_on"), _value(yoco_probe, "yoco/groups2_off")
+    assert on["calls"] == {"compute_global_topk_indices_and_lens": 3,
+                           "build_ragged_indices_from_dense": 2 + 3,
+                           "dequantize_and_gather_k_cache": 2 + 6,
+                           "combine_topk_swa_indices": 4}
+    assert off["calls"]["compute_global_topk_indices_and_lens"] == 5
+    assert on["builds"] == {"decode_indices": 3, "swa_ragged": 2, "gather": 2, "combine": 4}
+    assert on["hits"] == {"decode_indices": 2, "swa_ragged": 4, "gather": 3, "combine": 2}
+    assert _value(yoco_probe, "yoco/groups2_outputs_equal") == [True] * 6
+    v = _value(yoco_probe, "yoco/groups2_verify")
+    t = v["totals"]
+    assert not [k for k in t if k.endswith(".verify_mismatch")], t
+    assert {k: t.get(f"{k}.verify_equal") for k in v["hits"]} == v["hits"] == on["hits"]
+    assert v["outputs_equal_off"] == [True] * 6
+
+
 def test_yoco_patched_flashmla_decode(yoco_probe):
     """Patch 0040: upstream's FlashMLA decode over five compressed layers hands FlashMLA the
     same global indices and lens with reuse on and off, built 3 times instead of 5; the

@@ -374,3 +374,43 @@ def test_verify_indexer_k_regathers_and_compares(fresh):
     cache_rows[0][3, 3] ^= 1                      # the cache changed under the reuse
     _indexer_call(ctx, "L20.k", chunks, cache_rows, calls, ws)
     assert yoco.totals()["indexer_k.verify_mismatch"] == 1
+
+
+def test_batch_tag_names_the_batch_not_the_cache_group():
+    """Two SWA metadata objects of one step (two cache groups: own block tables, slots and
+    buffers; the batch's common seq_lens / query_start_loc storage) get one tag; another
+    batch layout, other storage or another window does not; a plain object is named by
+    its identity."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Md:  # the fields of vLLM's DeepseekSparseSWAMetadata that batch_tag reads
+        block_table: torch.Tensor
+        query_start_loc: torch.Tensor
+        seq_lens: torch.Tensor
+        block_size: int = 32
+        decode_swa_width: int = 128
+        prefill_window_size: int = 128
+        num_decodes: int = 2
+        num_prefills: int = 1
+        num_decode_tokens: int = 2
+        num_prefill_tokens: int = 5
+        max_decode_query_len: int = 1
+        prefill_left_visible: torch.Tensor | None = None
+        prefill_right_visible: torch.Tensor | None = None
+
+    qsl_buf, seq_buf = torch.arange(16, dtype=torch.int32), torch.arange(16, dtype=torch.int32)
+    a = Md(torch.zeros(3, 4), qsl_buf[:4], seq_buf[:3])
+    b = Md(torch.ones(3, 4), qsl_buf[:4], seq_buf[:3])   # another group, same step
+    assert yoco.batch_tag(a) == yoco.batch_tag(b)
+    assert yoco.decode_indices_key(1, "L1", 2, a, "c", 2) == \
+        yoco.decode_indices_key(1, "L1", 2, b, "c", 2)
+    assert yoco.swa_ragged_key(a, 10) != yoco.swa_ragged_key(b, 10)  # reads the block table
+    assert yoco.batch_tag(a) != yoco.batch_tag(Md(a.block_table, qsl_buf[:4].clone(), seq_buf[:3]))
+    assert yoco.batch_tag(a) != yoco.batch_tag(Md(a.block_table, qsl_buf[:5], seq_buf[:3]))
+    assert yoco.batch_tag(a) != yoco.batch_tag(dataclasses.replace(a, num_decodes=1))
+    assert yoco.batch_tag(a) != yoco.batch_tag(dataclasses.replace(a, prefill_window_size=64))
+    assert yoco.batch_tag(a) != yoco.batch_tag(
+        dataclasses.replace(a, prefill_left_visible=torch.zeros(7, dtype=torch.int32)))
+    o = object()
+    assert yoco.batch_tag(o) == ("object", id(o)) != yoco.batch_tag(object())

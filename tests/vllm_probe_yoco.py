@@ -9,13 +9,16 @@ with the same caches and inputs: reuse on (default) and DEEPINFER_YOCO_REUSE=0. 
 sources' top-k is written into the shared ``topk_indices_buffer`` just before their layer, as
 their indexer does. Recorded: every layer's output bytes of both runs, the calls of the three
 metadata builders (upstream's ``compute_global_topk_indices_and_lens``, the compressed gather,
-the combiner) per run, and the StepCache's builds and hits; and the decode's dense -> ragged index conversions.
+the combiner) per run, and the StepCache's builds and hits; and the decode's dense -> ragged index conversions. The
+same again with two SWA cache groups, the layers alternating between them as vLLM
+interleaves them, each group with its own block table and buffers.
 
 Imported only inside the probe process (it imports vLLM).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -96,10 +99,6 @@ class Model:
                 k = min(avail, TOPK_W)
                 rows[t, :k] = torch.randperm(avail, generator=g)[:k].to(torch.int32)
             self.local[src] = rows
-        swa_idx = torch.full((nd, WINDOW), -1, **i32)
-        for t, p in enumerate(DECODE_POS):
-            sl = [fwd.slot(self.swa_bt[t], x, SWA_BS) for x in range(max(0, p - WINDOW + 1), p + 1)]
-            swa_idx[t, : len(sl)] = torch.tensor(sl, **i32)
         qsl = [0, 1, 2, 2 + PREFILL_Q]
         gather_len = PREFILL_Q + min(PREFILL_CTX, WINDOW - 1)
         self.swa_md = DeepseekSparseSWAMetadata(
@@ -108,7 +107,7 @@ class Model:
             query_start_loc=torch.tensor(qsl, **i32), query_start_loc_cpu=torch.tensor(qsl, **i32),
             is_valid_token=torch.ones(n, dtype=torch.bool),
             token_to_req_indices=torch.tensor([0, 1] + [2] * PREFILL_Q, **i32),
-            decode_swa_indices=swa_idx,
+            decode_swa_indices=self._swa_indices(self.swa_bt),
             decode_swa_lens=torch.clamp(torch.tensor(DECODE_POS) + 1, max=WINDOW).to(torch.int32),
             num_decodes=nd, num_prefills=1, num_decode_tokens=nd, num_prefill_tokens=npre,
             prefill_seq_lens=torch.tensor(seq[nd:], **i32),
@@ -119,11 +118,39 @@ class Model:
             prefill_max_num_batched_tokens=self.layers[0].max_num_batched_tokens)
         self.q = [torch.randn(n, layer.padded_heads, 512, generator=g).to(torch.bfloat16)
                   for layer in self.layers]
+        # A second SWA cache group, as vLLM builds it (interleaved groups, one builder each):
+        # its own block table, slots and buffers holding the same batch values; the batch's
+        # common seq_lens and query_start_loc (one storage per step) and views of them.
+        bt1 = torch.randperm(3 * nb_swa + 2, generator=g)[: 3 * nb_swa].view(3, nb_swa)
+        bt1 = bt1.to(torch.int32)
+        md0 = self.swa_md
+        self.swa_md_group1 = dataclasses.replace(
+            md0, block_table=bt1, slot_mapping=torch.ones(n, dtype=torch.int64),
+            decode_swa_indices=self._swa_indices(bt1),
+            decode_swa_lens=md0.decode_swa_lens.clone(),
+            is_valid_token=md0.is_valid_token.clone(),
+            token_to_req_indices=md0.token_to_req_indices.clone(),
+            prefill_gather_lens=md0.prefill_gather_lens.clone())
+        self.swa_groups = 1
+
+    @staticmethod
+    def _swa_indices(block_table):
+        import torch
+
+        import vllm_probe_forward as fwd
+        swa_idx = torch.full((len(DECODE_POS), WINDOW), -1, dtype=torch.int32)
+        for t, p in enumerate(DECODE_POS):
+            sl = [fwd.slot(block_table[t], x, SWA_BS)
+                  for x in range(max(0, p - WINDOW + 1), p + 1)]
+            swa_idx[t, : len(sl)] = torch.tensor(sl, dtype=torch.int32)
+        return swa_idx
 
     def attn_metadata(self) -> dict:
         md = {}
-        for layer in self.layers:
-            md[layer.swa_cache_layer.prefix] = self.swa_md  # one SWA group: one object
+        groups = [self.swa_md, self.swa_md_group1][: self.swa_groups]
+        for i, layer in enumerate(self.layers):
+            # vLLM's SWA cache groups interleave the layers (layers[i::num_groups]).
+            md[layer.swa_cache_layer.prefix] = groups[i % len(groups)]
             if layer.compressed_cache_prefix is not None:
                 md[layer.compressed_cache_prefix] = self.comp_md[layer.kv_source_layer_id]
         return md
@@ -382,5 +409,19 @@ def run(record) -> None:
         finally:
             os.environ.pop(yoco.VERIFY_VARIABLE)
     record("yoco/verify", verify)
+
+    # Two SWA cache groups (layers alternate): the same shares across groups, except the
+    # SWA window's lists, which read each group's block table.
+    model.swa_groups = 2
+    record("yoco/groups2_on", one, "groups2_on")
+    os.environ["DEEPINFER_YOCO_REUSE"] = "0"
+    try:
+        record("yoco/groups2_off", one, "off")
+    finally:
+        os.environ.pop("DEEPINFER_YOCO_REUSE")
+        routing.reset()
+    record("yoco/groups2_outputs_equal", equal, "groups2_on")
+    record("yoco/groups2_verify", verify)
+    model.swa_groups = 1
     record("yoco/flashmla_decode", flashmla_decode)
     record("yoco/indexer_k", indexer_k)

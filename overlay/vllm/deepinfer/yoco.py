@@ -11,11 +11,11 @@ and hands the same tensors to the rest of the group:
 product                key (what determines it)                       built by
 =====================  =============================================  =====================
 decode global indices  (index source, KV source, ratio)               the first layer of the
-  (ragged, + lens)     + the step's SWA / compressed metadata         group that decodes
-decode SWA lists       the step's SWA metadata + the cache's rows     the first layer
-  (ragged)             (every layer of the model)
+  (ragged, + lens)     + the batch and compressed metadata            group that decodes
+decode SWA lists       the SWA metadata object + the cache's rows     the first layer
+  (ragged)             (every layer of one SWA cache group)
 combined lists         (index source, ratio, window, top-k) + chunk   first layer per chunk
-  (prefill)            + the step's SWA metadata; SWA-only layers
+  (prefill)            + the batch; SWA-only layers
                        share one entry (index source ``None``)
 gathered compressed K  (KV source, ratio) + chunk                     the KV source layer
   (prefill)            (rows [0, N) of the chunk's gather buffer)
@@ -35,8 +35,10 @@ Lifetime and safety
   ``set_forward_context``, i.e. per model forward, draft steps included), so it is cleared at
   every forward without a hook, and a forward never sees another forward's products.
 * Keys hold the identities of the metadata objects the layers read (``id()`` of objects the
-  forward context keeps alive), so two layers share a product only if they would have read
-  the very same tensors; no key depends on tensor values.
+  forward context keeps alive), or for the SWA metadata, of which vLLM builds one object
+  per cache group, the storage of the batch fields the products read (``batch_tag``), so
+  two layers share a product only if they would have read the same bytes; no key depends
+  on tensor values.
 * CUDA graphs: which lookups hit is a function of the layer sequence and of which metadata
   objects they read, never of data, so a captured forward and every replay run the same
   launches. Products are allocated inside the forward (in the graph's pool during capture)
@@ -79,7 +81,7 @@ from vllm.deepinfer import routing
 logger = logging.getLogger("vllm.deepinfer")
 
 __all__ = ["FEATURE", "StepCache", "GatherBuffer", "enabled", "step_cache", "reuse",
-           "decode_indices_key", "swa_ragged_key", "combine_key", "gather_key", "indexer_k_key", "totals",
+           "batch_tag", "decode_indices_key", "swa_ragged_key", "combine_key", "gather_key", "indexer_k_key", "totals",
            "reset_totals", "parallel_reason", "gather_buffer", "reserve_gather_buffer",
            "GATHER_BUFFER_MAX_BYTES", "INDEXER_K_MAX_ROWS", "NO_REUSE",
            "indexer_k_rows", "reserve_indexer_k", "prefill_kv", "chunk_order",
@@ -273,20 +275,60 @@ def _tag(index_source: Any) -> Any:
     return index_source
 
 
+def _span(t: Any) -> Any:
+    """Where a tensor's bytes are (storage address, shape, strides); None for None."""
+    if t is None:
+        return None
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+
+# The fields of vLLM's DeepseekSparseSWAMetadata that a batch_tag names.
+_BATCH_SCALARS = ("block_size", "decode_swa_width", "prefill_window_size", "num_decodes",
+                  "num_prefills", "num_decode_tokens", "num_prefill_tokens",
+                  "max_decode_query_len")
+_BATCH_TENSORS = ("query_start_loc", "seq_lens", "prefill_left_visible",
+                  "prefill_right_visible")
+
+
+def batch_tag(swa_metadata: Any) -> tuple:
+    """The batch a layer's SWA metadata describes, apart from the KV cache group it belongs to.
+
+    vLLM splits the SWA caches of the model's layers into interleaved cache groups
+    (``layers[i::num_groups]``, v1/core/kv_cache_planning.py), and each group's builder
+    builds its own metadata object; neighbouring layers, which share an index and a KV
+    source, therefore hold different SWA metadata objects. Of those, only the block table
+    and the slot mapping belong to the group. What the shared products read
+    (``token_to_req_indices``, ``is_valid_token`` = slot mapping >= 0,
+    ``prefill_seq_lens``, ``prefill_gather_lens``, the chunk plan) each builder computes from
+    the batch's common metadata (one ``query_start_loc`` and ``seq_lens`` storage per step)
+    and its spec (block size, window): the same bytes in every group. (A padded token's
+    slot is -1 in every group; vLLM 0.33.0 passes no ``replay_start`` to the builders, so each
+    uses zeros.) This tag names exactly those inputs, so layers of different groups share
+    what they would compute alike; the SWA window's own lists (``swa_ragged_key``) read the
+    group's block table and stay per object. An object without these fields is named by
+    its identity."""
+    if not all(hasattr(swa_metadata, f) for f in _BATCH_SCALARS + _BATCH_TENSORS):
+        return ("object", id(swa_metadata))
+    return ((type(swa_metadata).__qualname__,)
+            + tuple(getattr(swa_metadata, f) for f in _BATCH_SCALARS)
+            + tuple(_span(getattr(swa_metadata, f)) for f in _BATCH_TENSORS))
+
+
 def decode_indices_key(index_source: Any, kv_source: Any, ratio: int, swa_metadata: Any,
                        comp_metadata: Any, num_tokens: int) -> tuple | None:
     """Decode global top-k indices and lens: the index source's local top-k (shared
     ``topk_indices_buffer``) mapped through the KV source's block table at the ratio's block
-    size, masked by the step's valid tokens."""
+    size, masked by the step's valid tokens (``batch_tag``)."""
     if index_source is NO_REUSE:
         return None
-    return (DECODE_INDICES, _tag(index_source), kv_source, int(ratio), id(swa_metadata),
+    return (DECODE_INDICES, _tag(index_source), kv_source, int(ratio), batch_tag(swa_metadata),
             id(comp_metadata), int(num_tokens))
 
 
 def swa_ragged_key(swa_metadata: Any, num_rows: int) -> tuple:
-    """The decode's ragged SWA-window lists: the step's SWA metadata (one per SWA cache
-    group) and the cache's row count (slots past it are dropped), shared by every layer."""
+    """The decode's ragged SWA-window lists: the step's SWA metadata object (one per SWA
+    cache group: the lists hold slots of the group's block table) and the cache's row count
+    (slots past it are dropped), shared by the layers of one group."""
     return (SWA_RAGGED, None, id(swa_metadata), int(num_rows))
 
 
@@ -298,14 +340,14 @@ def combine_key(index_source: Any, ratio: int, window: int, topk: int, swa_metad
     if index_source is NO_REUSE or extra is NO_REUSE:
         return None
     return (COMBINE, _tag(index_source), int(ratio), int(window), int(topk),
-            id(swa_metadata), tuple(int(x) for x in chunk), extra)
+            batch_tag(swa_metadata), tuple(int(x) for x in chunk), extra)
 
 
 def gather_key(kv_source: Any, ratio: int, comp_metadata: Any, swa_metadata: Any,
                chunk: tuple[int, int, int, int]) -> tuple:
     """The compressed rows [0, N) of one prefill chunk's gather: the KV source's cache read
     through its block table at the ratio's block size."""
-    return (GATHER, None, kv_source, int(ratio), id(comp_metadata), id(swa_metadata),
+    return (GATHER, None, kv_source, int(ratio), id(comp_metadata), batch_tag(swa_metadata),
             tuple(int(x) for x in chunk))
 
 
