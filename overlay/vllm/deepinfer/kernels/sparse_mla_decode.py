@@ -140,6 +140,11 @@ class Tile:
     predequant: bool = False
     # Phase 1's software e4m3 decoder (a PREDEQUANT_DECODES key).
     predequant_decode: str = "int"
+    # Phase 2 only: compute Q.K^T as two dots over dims [0, 256) and [256, 512), each with
+    # its own accumulator, and keep the output in two halves. mma.sync chains one dot's 32
+    # k-steps through one accumulator (dependent HMMAs); two halves give the scheduler two
+    # independent chains of 16. Same instructions and shared memory, other summation order.
+    qk_halves: bool = False
 
 
 # Tile table keyed by variant name (docs/sparse-mla-decode.md has the gate figures).
@@ -330,6 +335,56 @@ def _predequant_kernel(
         tl.store(valid_ptr + row, valid.to(tl.uint8), mask=live)
 
 
+@triton.jit
+def _attend_rows_halves(q_row_ptr, q_stride1, heads, hmask, ws_ptr, valid_ptr, ws_base, lo, hi,
+                        qk_scale, DOT_FP32: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """Phase 2's loop over workspace rows [lo, hi) with Q, the keys and the output split at
+    dim 256 (``Tile.qk_halves``): scores = (Q_a.K_a^T) * scale + (Q_b.K_b^T) * scale, two
+    independent mma chains (the products are scaled before the sum, so Triton cannot fold one
+    dot into the other's accumulator). Returns (m, l, acc [BLOCK_H, 512]) as the main loop
+    leaves them."""
+    D: tl.constexpr = _D
+    HD: tl.constexpr = _D // 2
+    hc = tl.arange(0, HD)
+    qa = tl.load(q_row_ptr + heads[:, None] * q_stride1 + hc[None, :], mask=hmask[:, None],
+                 other=0.0)
+    qb = tl.load(q_row_ptr + heads[:, None] * q_stride1 + HD + hc[None, :],
+                 mask=hmask[:, None], other=0.0)
+    if DOT_FP32:
+        qa = qa.to(tl.float32)
+        qb = qb.to(tl.float32)
+    m_i = tl.full((BLOCK_H,), NEG_LARGE, tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc_a = tl.zeros((BLOCK_H, HD), tl.float32)
+    acc_b = tl.zeros((BLOCK_H, HD), tl.float32)
+    for k0 in tl.range(lo, hi, BLOCK_N):
+        j = k0 + tl.arange(0, BLOCK_N)
+        live = j < hi
+        row = (ws_base + j).to(tl.int64)
+        ka = tl.load(ws_ptr + row[:, None] * D + hc[None, :], mask=live[:, None], other=0.0)
+        kb = tl.load(ws_ptr + row[:, None] * D + HD + hc[None, :], mask=live[:, None],
+                     other=0.0)
+        valid = tl.load(valid_ptr + row, mask=live, other=0) != 0
+        if DOT_FP32:
+            ka = ka.to(tl.float32)
+            kb = kb.to(tl.float32)
+        s = tl.dot(qa, tl.trans(ka)) * qk_scale + tl.dot(qb, tl.trans(kb)) * qk_scale
+        s = tl.where(valid[None, :], s, NEG_LARGE)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        p = tl.where(valid[None, :], p, 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pk = p.to(ka.dtype)
+        acc_a = acc_a * alpha[:, None] + tl.dot(pk, ka)
+        acc_b = acc_b * alpha[:, None] + tl.dot(pk, kb)
+        m_i = m_new
+    # [BLOCK_H, 256, 2] -> [BLOCK_H, 2, 256] -> [BLOCK_H, 512]: half a, then half b.
+    acc = tl.reshape(tl.permute(tl.join(acc_a, acc_b), (0, 2, 1)), (BLOCK_H, D))
+    return m_i, l_i, acc
+
+
 # Arguments that vary with the batch or the cache size rather than the model are not
 # specialized: otherwise Triton compiles one binary per divisibility class of each (a head
 # count of 8 under TP 8, a split count of 5, a cache of 1001 blocks), which vLLM's warmup
@@ -346,14 +401,15 @@ def _sparse_mla_decode_kernel(
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     INV_ROPE: tl.constexpr, HW_FP8: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
     MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr, PREDEQUANT: tl.constexpr,
+    PREFETCH: tl.constexpr, PREDEQUANT: tl.constexpr, QK_HALVES: tl.constexpr = False,
 ):
     """Grid (head tiles, splits, tokens). ``qk_scale`` = softmax scale * log2(e).
 
     SPLIT: write unnormalized (acc, m, l) of this split to the fp32 workspaces (m in the
     log2 domain, before the sink); else finish (sink, normalize, inverse RoPE) and store
     bf16. PREDEQUANT: the keys come as bf16 rows of ``_predequant_kernel``'s workspace
-    (``ws_ptr``, validity bytes ``valid_ptr``) instead of records. DOT_FP32 is an
+    (``ws_ptr``, validity bytes ``valid_ptr``) instead of records; with QK_HALVES their
+    loop is ``_attend_rows_halves`` (``Tile.qk_halves``). DOT_FP32 is an
     interpreter-only switch: the Triton interpreter computes bf16 ``tl.dot`` on raw bit
     patterns, so there the dots take fp32 operands.
     """
@@ -388,47 +444,54 @@ def _sparse_mla_decode_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, D), tl.float32)
     ws_base = main_start + extra_start  # this token's first workspace row (PREDEQUANT)
-    if PREFETCH and not PREDEQUANT:  # the first tile's bytes; each iteration the next one's
-        code, sbyte, rope_bits, valid = _load_key_tile(
-            lo, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0, main_rows,
-            extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0, extra_rows,
-            HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
-    for k0 in tl.range(lo, hi, BLOCK_N):
-        if PREDEQUANT:
-            j = k0 + tl.arange(0, BLOCK_N)
-            live = j < hi
-            row = (ws_base + j).to(tl.int64)
-            k = tl.load(ws_ptr + row[:, None] * D + cols[None, :], mask=live[:, None], other=0.0)
-            cur_valid = tl.load(valid_ptr + row, mask=live, other=0) != 0
-            if DOT_FP32:
-                k = k.to(tl.float32)
-        else:
-            if PREFETCH:
-                cur_code, cur_sbyte, cur_rope, cur_valid = code, sbyte, rope_bits, valid
-                code, sbyte, rope_bits, valid = _load_key_tile(
-                    k0 + BLOCK_N, hi, main_cache_ptr, main_idx_ptr, main_start, main_len,
-                    main_stride0, main_rows, extra_cache_ptr, extra_idx_ptr, extra_start,
-                    extra_stride0, extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
+    if PREDEQUANT and QK_HALVES:
+        m_i, l_i, acc = _attend_rows_halves(
+            q_ptr + tok * q_stride0, q_stride1, heads, hmask, ws_ptr, valid_ptr, ws_base, lo,
+            hi, qk_scale, DOT_FP32, BLOCK_H, BLOCK_N)
+    else:
+        if PREFETCH and not PREDEQUANT:  # the first tile's bytes; each iteration the next's
+            code, sbyte, rope_bits, valid = _load_key_tile(
+                lo, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0,
+                main_rows, extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0, extra_rows,
+                HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
+        for k0 in tl.range(lo, hi, BLOCK_N):
+            if PREDEQUANT:
+                j = k0 + tl.arange(0, BLOCK_N)
+                live = j < hi
+                row = (ws_base + j).to(tl.int64)
+                k = tl.load(ws_ptr + row[:, None] * D + cols[None, :], mask=live[:, None],
+                            other=0.0)
+                cur_valid = tl.load(valid_ptr + row, mask=live, other=0) != 0
+                if DOT_FP32:
+                    k = k.to(tl.float32)
             else:
-                cur_code, cur_sbyte, cur_rope, cur_valid = _load_key_tile(
-                    k0, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0,
-                    main_rows, extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0,
-                    extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
-            # One [BLOCK_N, 512] operand (chunks 0..6 NoPE bytes times their scale, chunk 7
-            # the bf16 RoPE tail), NaN-scrubbed.
-            k = _build_key_rows(cur_code, cur_sbyte, cur_rope, HW_FP8, BLOCK_N)
-            if not DOT_FP32:
-                k = k.to(tl.bfloat16)
+                if PREFETCH:
+                    cur_code, cur_sbyte, cur_rope, cur_valid = code, sbyte, rope_bits, valid
+                    code, sbyte, rope_bits, valid = _load_key_tile(
+                        k0 + BLOCK_N, hi, main_cache_ptr, main_idx_ptr, main_start, main_len,
+                        main_stride0, main_rows, extra_cache_ptr, extra_idx_ptr, extra_start,
+                        extra_stride0, extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS,
+                        BLOCK_N)
+                else:
+                    cur_code, cur_sbyte, cur_rope, cur_valid = _load_key_tile(
+                        k0, hi, main_cache_ptr, main_idx_ptr, main_start, main_len, main_stride0,
+                        main_rows, extra_cache_ptr, extra_idx_ptr, extra_start, extra_stride0,
+                        extra_rows, HAS_EXTRA, ALIGNED, MAIN_BS, EXTRA_BS, BLOCK_N)
+                # One [BLOCK_N, 512] operand (chunks 0..6 NoPE bytes times their scale,
+                # chunk 7 the bf16 RoPE tail), NaN-scrubbed.
+                k = _build_key_rows(cur_code, cur_sbyte, cur_rope, HW_FP8, BLOCK_N)
+                if not DOT_FP32:
+                    k = k.to(tl.bfloat16)
 
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(cur_valid[None, :], s, NEG_LARGE)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        p = tl.where(cur_valid[None, :], p, 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-        m_i = m_new
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(cur_valid[None, :], s, NEG_LARGE)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            p = tl.where(cur_valid[None, :], p, 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+            m_i = m_new
 
     if SPLIT:
         ml = (tok * num_splits + split) * num_heads + heads
@@ -724,8 +787,8 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
         HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope and not split,
         HW_FP8=v.hw_fp8, DOT_FP32=arch.interpreting(), ALIGNED=aligned,
         MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1], BLOCK_H=block_h, BLOCK_N=tile.block_n,
-        PREFETCH=tile.prefetch, PREDEQUANT=predequant, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+        PREFETCH=tile.prefetch, PREDEQUANT=predequant, QK_HALVES=predequant and tile.qk_halves,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     if split:
         rbh = tile.reduce_block_h
         _sparse_mla_decode_reduce_kernel[(triton.cdiv(heads, rbh), tokens)](
@@ -803,7 +866,7 @@ def _register() -> None:
             constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split, INV_ROPE=not split,
                             HW_FP8=False, DOT_FP32=False, ALIGNED=True, MAIN_BS=GATE_SWA_PAGE,
                             EXTRA_BS=GATE_COMPRESSED_PAGE, BLOCK_H=t.block_h, BLOCK_N=t.block_n,
-                            PREFETCH=False, PREDEQUANT=True),
+                            PREFETCH=False, PREDEQUANT=True, QK_HALVES=t.qk_halves),
             variants=("sm80",), num_warps=t.num_warps, num_stages=t.num_stages, feature=FEATURE))
     register(GateSpec(
         name="sparse_mla_decode.predequant[sm80-2p]", kernel=_predequant_kernel,
