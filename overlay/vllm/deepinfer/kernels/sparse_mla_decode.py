@@ -183,12 +183,17 @@ TILES: dict[str, Tile] = {
     # 114.1 at 2 (phase 2 64.9 vs 85.6: two splits, 512 CTAs in 528 slots), 128 tokens
     # 153.5 vs 153.2, 16 tokens 42.6 vs 40.2. An A100's 108 SMs give 432 slots, so there
     # 64 tokens x 64 heads (256 head tiles) stays unsplit and 32 tokens split 3 ways.
+    # qk_halves on (two independent Q.K^T chains): the H200 sweep of 9a2f512
+    # (benchmarks/results/h200-2026-12-01-decode-2p-sweep-9a2f512.json, same shapes) ran
+    # phase 2 at 64 tokens in 60.3 us against 64.3 with one chain (total 88.9 vs 92.4), 128
+    # tokens unchanged (152.5 vs 152.4), 16 tokens 40.6 vs 42.4; the sm_80 build keeps
+    # 34,816 B and 255 registers, its split build's spill stack drops from 176 to 48 B.
     "sm80-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=4,
-                    predequant=True, predequant_decode="f16bits"),
+                    predequant=True, predequant_decode="f16bits", qk_halves=True),
     "sm86-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=2,
-                    predequant=True, predequant_decode="f16bits"),
+                    predequant=True, predequant_decode="f16bits", qk_halves=True),
     "cpu-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=1, ctas_per_sm=1,
-                   predequant=True, predequant_decode="f16bits"),
+                   predequant=True, predequant_decode="f16bits", qk_halves=True),
     # Ada: hardware e4m3, mma.sync like Ampere (no wgmma), 100 KiB per SM: the Ampere tile
     # keeps two CTAs per SM. Not measured by this project.
     "sm89": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
