@@ -215,7 +215,8 @@ def _decode_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[Warmu
                              HW_FP8=arch.VARIANTS[variant].hw_fp8, DOT_FP32=False, ALIGNED=True,
                              MAIN_BS=main_bs, EXTRA_BS=extra_bs, BLOCK_H=block_h,
                              BLOCK_N=tile.block_n, PREFETCH=tile.prefetch,
-                             PREDEQUANT=tile.predequant)
+                             PREDEQUANT=tile.predequant,
+                             QK_HALVES=tile.predequant and tile.qk_halves)
                     keys.append(WarmupKey("decode", tuple(sorted(c.items())), tile.num_warps,
                                           tile.num_stages,
                                           _stand_ins(split, inv_rope, tile.predequant)))

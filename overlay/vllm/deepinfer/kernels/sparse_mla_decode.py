@@ -406,7 +406,7 @@ def _sparse_mla_decode_kernel(
     HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
     INV_ROPE: tl.constexpr, HW_FP8: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
     MAIN_BS: tl.constexpr, EXTRA_BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr, PREDEQUANT: tl.constexpr, QK_HALVES: tl.constexpr = False,
+    PREFETCH: tl.constexpr, PREDEQUANT: tl.constexpr, QK_HALVES: tl.constexpr,
 ):
     """Grid (head tiles, splits, tokens). ``qk_scale`` = softmax scale * log2(e).
 
@@ -817,7 +817,7 @@ _MAIN_SIG = {
     "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32",
     **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE", "HW_FP8",
                                 "DOT_FP32", "ALIGNED", "MAIN_BS", "EXTRA_BS", "BLOCK_H",
-                                "BLOCK_N", "PREFETCH", "PREDEQUANT")},
+                                "BLOCK_N", "PREFETCH", "PREDEQUANT", "QK_HALVES")},
 }
 _PREDEQUANT_SIG = {
     "main_cache_ptr": "*u8", "main_idx_ptr": "*i32", "main_indptr_ptr": "*i32",
@@ -853,7 +853,7 @@ def _register() -> None:
                                 HW_FP8=arch.VARIANTS[v].hw_fp8, DOT_FP32=False, ALIGNED=True,
                                 MAIN_BS=GATE_SWA_PAGE, EXTRA_BS=GATE_COMPRESSED_PAGE,
                                 BLOCK_H=t.block_h, BLOCK_N=t.block_n, PREFETCH=t.prefetch,
-                                PREDEQUANT=False),
+                                PREDEQUANT=False, QK_HALVES=False),
                 variants=(v,), num_warps=t.num_warps, num_stages=t.num_stages, feature=FEATURE))
         register(GateSpec(
             name=f"sparse_mla_decode.reduce[{v}]", kernel=_sparse_mla_decode_reduce_kernel,
