@@ -286,6 +286,30 @@ def test_forms_with_growing_maxima(device, tile_rows, variant_form):
                  reference(q, kv, key_lists(idx.cpu(), lens), sink))
 
 
+@pytest.mark.parametrize("out_d", [D, 448])
+def test_qk_halves_form(device, tile_rows, out_d):
+    """Tile.qk_halves (Q.K^T as two half-dim dots, the output in two halves): within the
+    reference bound with growing maxima and invalid entries, NoPE-only output too, and the
+    zero rows of the shipped tile (no valid key, NaN / inf keys and queries)."""
+    name = tile_rows("test-halves", base="sm80", qk_halves=True)
+    rows = 64
+    grow = 1.5 ** (torch.arange(rows, dtype=torch.float32) / 8)
+    q, kv, idx, sink = make(9, tokens=3, heads=16, rows=rows, width=64, device=device,
+                            scale_rows=grow)
+    idx[:] = torch.arange(rows, dtype=torch.int32, device=device)
+    idx[1] = idx[1].flip(0)
+    idx[2, ::5] = -1
+    lens = torch.tensor([64, 64, 41], dtype=torch.int32, device=device)
+    buf = torch.full((3, 16, D), 7.0, dtype=torch.bfloat16, device=device)
+    out = run(q, kv, idx, lens, sink, name, out=buf[..., :out_d])
+    assert_close(out, reference(q, kv, key_lists(idx.cpu(), lens), sink))
+    assert (buf[..., out_d:] == 7.0).all()
+    q, kv, idx, sink, lens = _nan_inf_case(device)
+    got = run(q, kv, idx, lens, sink, name).float().cpu()
+    assert not got.isnan().any()
+    assert torch.equal(got == 0, run(q, kv, idx, lens, sink, "sm80").float().cpu() == 0)
+
+
 def test_default_variant_runs(device):
     q, kv, idx, sink = make(10, tokens=2, heads=16, rows=30, width=16, device=device)
     lens = torch.tensor([16, 9], dtype=torch.int32, device=device)

@@ -4,6 +4,7 @@
     python3 benchmarks/diag/sweep_prefill.py --gate-only [--out F.json]   # CPU: no GPU needed
     python3 benchmarks/diag/sweep_prefill.py [--out F.json]               # GPU: gate + timings
     python3 benchmarks/diag/sweep_prefill.py --sm90-only [--out F.json]   # the wgmma tiles only
+    python3 benchmarks/diag/sweep_prefill.py --only sm80,sm80-halves        # named candidates
 
 ``--gate-only`` compiles every candidate tile (and upstream's kernel, specialized as Triton
 specializes it at runtime: 16-byte aligned pointers, strides divisible by 16, unit strides
@@ -57,6 +58,8 @@ CANDIDATES = [
     ("sm80-split2-w2", T(16, 16, 2, 2, split_d=2), (80, 86)),
     ("sm80-plain", T(16, 16, 4, 2), (80, 86)),
     ("sm80-plain-w2", T(16, 16, 2, 2), (80, 86)),
+    # Q.K^T in two half-dim dots (two independent mma chains; Tile.qk_halves).
+    ("sm80-halves", T(16, 16, 2, 2, qk_halves=True), (80, 86)),
     ("sm90", spm.TILES["sm90"], (90,)),
     ("sm90-n32-s3", T(64, 32, 8, 3), (90,)),
     ("sm90-n32-s2", T(64, 32, 8, 2), (90,)),
@@ -188,8 +191,13 @@ def gate_upstream(cc: int) -> dict:
     return rec
 
 
+# --only: the candidate names to gate and time (None: all).
+ONLY: set | None = None
+
+
 def _candidates(sm90_only: bool = False) -> list:
-    return [c for c in CANDIDATES if not sm90_only or c[0].startswith("sm90")]
+    return [c for c in CANDIDATES if (not sm90_only or c[0].startswith("sm90"))
+            and (ONLY is None or c[0] in ONLY)]
 
 
 def gate_all(sm90_only: bool = False) -> list[dict]:
@@ -307,7 +315,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sm90-only", action="store_true",
                     help="the sm90 (wgmma) candidates and upstream only, at sm_90")
     ap.add_argument("--out", type=Path, help="write {gate: [...], timings: [...]} here")
+    ap.add_argument("--only", help="comma-separated candidate names (default: all)")
     a = ap.parse_args(argv)
+    global ONLY
+    if a.only:
+        ONLY = set(a.only.split(","))
+        unknown = ONLY - set(CANDIDATES_BY_NAME)
+        if unknown:
+            ap.error(f"--only: unknown {', '.join(sorted(unknown))}")
     t0 = time.perf_counter()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("needs real Triton compilation: unset TRITON_INTERPRET", file=sys.stderr)

@@ -101,6 +101,11 @@ class Tile:
     # by the sum taken with the same m, so the result is the same softmax (rounding aside:
     # bf16 p keeps its relative precision at any magnitude). 0: rescale every tile.
     rescale_tau: float = 0.0
+    # Plain form only: Q.K^T as two dots over dims [0, 256) and [256, 512) with their own
+    # accumulators, and the output in two halves. mma.sync chains one dot's 32 k-steps
+    # through one accumulator; two halves give the scheduler two independent chains (the
+    # two-phase Ampere decode's Tile.qk_halves, measured there first).
+    qk_halves: bool = False
 
 
 # Tile table keyed by variant (docs/sparse-mla-prefill.md: compile-gate figures and why).
@@ -189,6 +194,60 @@ def _row_scale(m_i, l_i, sink_ptr, heads, hmask, HAS_SINK: tl.constexpr):
     return factor, l_f > 0.0
 
 
+@triton.jit
+def _attend_halves(q_rows, out_rows, kv_ptr, idx_ptr, start, n, kv_stride0, num_rows, sink_ptr,
+                   heads, hmask, qk_scale, HAS_SINK: tl.constexpr, OUT_D: tl.constexpr,
+                   DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_H: tl.constexpr,
+                   BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr, UNROLL: tl.constexpr,
+                   WARP_SPEC: tl.constexpr):
+    """The plain form's key loop and epilogue with Q, the keys and the output split at dim
+    256 (``Tile.qk_halves``): scores = (Q_a.K_a^T) * scale + (Q_b.K_b^T) * scale, two
+    independent mma chains (each product scaled before the sum, so Triton does not fold one
+    dot into the other's accumulator)."""
+    HD: tl.constexpr = _D // 2
+    hc = tl.arange(0, HD)
+    qa = tl.load(q_rows[:, None] + hc[None, :], mask=hmask[:, None], other=0.0)
+    qb = tl.load(q_rows[:, None] + HD + hc[None, :], mask=hmask[:, None], other=0.0)
+    if DOT_FP32:
+        qa = qa.to(tl.float32)
+        qb = qb.to(tl.float32)
+    m_i = tl.full((BLOCK_H,), NEG_LARGE, tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc_a = tl.zeros((BLOCK_H, HD), tl.float32)
+    acc_b = tl.zeros((BLOCK_H, HD), tl.float32)
+    for k0 in tl.range(0, n, BLOCK_N, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL,
+                       warp_specialize=WARP_SPEC):
+        rows, valid = _key_rows(idx_ptr, start, k0, n, kv_ptr, kv_stride0, num_rows, ALIGNED,
+                                BLOCK_N)
+        ka = tl.load(rows[:, None] + hc[None, :], mask=valid[:, None], other=0.0)
+        kb = tl.load(rows[:, None] + HD + hc[None, :], mask=valid[:, None], other=0.0)
+        if DOT_FP32:
+            ka = ka.to(tl.float32)
+            kb = kb.to(tl.float32)
+        s = tl.dot(qa, tl.trans(ka)) * qk_scale + tl.dot(qb, tl.trans(kb)) * qk_scale
+        s = tl.where(valid[None, :], s, NEG_LARGE)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        p = tl.where(valid[None, :], p, 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc_a = acc_a * alpha[:, None]
+        acc_b = acc_b * alpha[:, None]
+        m_i = m_new
+        if not DOT_FP32:
+            p = p.to(tl.bfloat16)
+        acc_a = tl.dot(p, ka, acc_a)
+        acc_b = tl.dot(p, kb, acc_b)
+    factor, ok = _row_scale(m_i, l_i, sink_ptr, heads, hmask, HAS_SINK)
+    oa = tl.where(ok[:, None], acc_a * factor[:, None], 0.0)
+    ob = tl.where(ok[:, None], acc_b * factor[:, None], 0.0)
+    dt = out_rows.dtype.element_ty
+    tl.store(out_rows[:, None] + hc[None, :], oa.to(dt),
+             mask=hmask[:, None] & (hc[None, :] < OUT_D))
+    tl.store(out_rows[:, None] + HD + hc[None, :], ob.to(dt),
+             mask=hmask[:, None] & (HD + hc[None, :] < OUT_D))
+
+
 # Integers whose runtime values are not multiples of 16 in production (workspace rows, the
 # head count per rank, head tiles 1/2/4/8) stay unspecialized, so one compile (and the JIT
 # warmup's key) serves every value; strides and the dense row width are multiples of 16.
@@ -201,6 +260,7 @@ def _sparse_mla_prefill_kernel(
     ALIGNED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_D: tl.constexpr, WARP_SPEC: tl.constexpr = False, UNROLL: tl.constexpr = None,
     LOOP_STAGES: tl.constexpr = None, RESCALE_TAU: tl.constexpr = 0.0,
+    QK_HALVES: tl.constexpr = False,
 ):
     """Grid (tokens * head_tiles,): program p owns head tile p % head_tiles of token
     p // head_tiles (the head tiles of a token are adjacent). ``qk_scale`` = softmax scale *
@@ -208,8 +268,9 @@ def _sparse_mla_prefill_kernel(
 
     DENSE: row t's keys are ``idx[t * idx_stride0 + j]`` for j < clamp(lens[t], 0, width)
     (``ptr_ptr`` = lens); else ragged, ``idx[indptr[t] + j]`` for j < indptr[t+1] - indptr[t]
-    (``ptr_ptr`` = indptr). SPLIT_D, WARP_SPEC, UNROLL, LOOP_STAGES, RESCALE_TAU: ``Tile``'s
-    split_d, warp_spec, unroll, loop_stages, rescale_tau (0 as None). DOT_FP32
+    (``ptr_ptr`` = indptr). SPLIT_D, WARP_SPEC, UNROLL, LOOP_STAGES, RESCALE_TAU, QK_HALVES:
+    ``Tile``'s split_d, warp_spec, unroll, loop_stages, rescale_tau (0 as None), qk_halves
+    (plain form only: then its key loop is ``_attend_halves``). DOT_FP32
     is an interpreter-only switch: the Triton interpreter computes bf16 ``tl.dot`` on raw
     bit patterns, so there the dots take fp32 operands.
     """
@@ -233,6 +294,12 @@ def _sparse_mla_prefill_kernel(
     m_i = tl.full((BLOCK_H,), NEG_LARGE, tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
 
+    if QK_HALVES:
+        tl.static_assert(SPLIT_D == 1, "qk_halves needs the plain form")
+        _attend_halves(q_rows, out_rows, kv_ptr, idx_ptr, start, n, kv_stride0, num_rows,
+                       sink_ptr, heads, hmask, qk_scale, HAS_SINK, OUT_D, DOT_FP32, ALIGNED,
+                       BLOCK_H, BLOCK_N, LOOP_STAGES, UNROLL, WARP_SPEC)
+        return
     if SPLIT_D == 1:
         cols = tl.arange(0, D)
         q = tl.load(q_rows[:, None] + cols[None, :], mask=hmask[:, None], other=0.0)
@@ -441,7 +508,7 @@ _SIG = {
     "qk_scale": "fp32",
     **{k: "constexpr" for k in ("DENSE", "HAS_SINK", "OUT_D", "DOT_FP32", "ALIGNED", "BLOCK_H",
                                 "BLOCK_N", "SPLIT_D", "WARP_SPEC", "UNROLL", "LOOP_STAGES",
-                                "RESCALE_TAU")},
+                                "RESCALE_TAU", "QK_HALVES")},
 }
 # Variants the gate builds ("sm80" also covers sm_86; sm86's tile is sm80's).
 GATE_VARIANTS = ("sm80", "sm89", "sm90", "sm100")
@@ -457,7 +524,8 @@ def gate_constexprs(tile: Tile, dense: bool = True) -> dict:
 def _loop_constexprs(tile: Tile) -> dict:
     """The kernel's constexprs for ``tile``'s split_d and key-loop knobs (0 -> None)."""
     return dict(SPLIT_D=tile.split_d, WARP_SPEC=tile.warp_spec, UNROLL=tile.unroll or None,
-                LOOP_STAGES=tile.loop_stages or None, RESCALE_TAU=float(tile.rescale_tau))
+                LOOP_STAGES=tile.loop_stages or None, RESCALE_TAU=float(tile.rescale_tau),
+                QK_HALVES=tile.qk_halves)
 
 
 def _register() -> None:
