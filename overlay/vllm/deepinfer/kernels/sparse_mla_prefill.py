@@ -133,7 +133,12 @@ class Tile:
 # partial scores through shared memory). tools/a100_model.py has no prefill workload; driven
 # by hand for these launches it misranks the sweep's tiles on the H200 (split_d forms off by
 # -62% to +38%), so no A100 prediction decided this (docs/sparse-mla-prefill.md).
-_AMPERE = Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, split_d=1)
+# qk_halves on: the sweep of 3a8606c (benchmarks/results/h200-2026-12-01-sweep-prefill-
+# 3a8606c.json, same shapes) ran it at 1.38 / 1.40 / 1.45x upstream (1387 / 2695 / 4173 us)
+# against 1.16 / 1.16 / 1.17x without; its sm_80 loop is 619 instructions per warp and tile
+# against 752 (same HMMA and ldmatrix counts, about half the address arithmetic), 40 B of
+# stack outside the loop (8 B without).
+_AMPERE = Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, split_d=1, qk_halves=True)
 TILES: dict[str, Tile] = {
     "sm80": _AMPERE,
     "sm86": _AMPERE,
