@@ -4,7 +4,7 @@
     python3 benchmarks/diag/sweep_prefill.py --gate-only [--out F.json]   # CPU: no GPU needed
     python3 benchmarks/diag/sweep_prefill.py [--out F.json]               # GPU: gate + timings
     python3 benchmarks/diag/sweep_prefill.py --sm90-only [--out F.json]   # the wgmma tiles only
-    python3 benchmarks/diag/sweep_prefill.py --only sm80,sm80-halves        # named candidates
+    python3 benchmarks/diag/sweep_prefill.py --only sm80,sm80-plain-w2      # named candidates
 
 ``--gate-only`` compiles every candidate tile (and upstream's kernel, specialized as Triton
 specializes it at runtime: 16-byte aligned pointers, strides divisible by 16, unit strides
@@ -57,9 +57,8 @@ CANDIDATES = [
     ("sm80-split8", T(16, 16, 8, 2, split_d=8), (80, 86)),
     ("sm80-split2-w2", T(16, 16, 2, 2, split_d=2), (80, 86)),
     ("sm80-plain", T(16, 16, 4, 2), (80, 86)),
+    # The shipped tile with one Q.K^T chain (qk_halves off): the Ampere tile until 3a8606c.
     ("sm80-plain-w2", T(16, 16, 2, 2), (80, 86)),
-    # Q.K^T in two half-dim dots (two independent mma chains; Tile.qk_halves).
-    ("sm80-halves", T(16, 16, 2, 2, qk_halves=True), (80, 86)),
     ("sm90", spm.TILES["sm90"], (90,)),
     ("sm90-n32-s3", T(64, 32, 8, 3), (90,)),
     ("sm90-n32-s2", T(64, 32, 8, 2), (90,)),

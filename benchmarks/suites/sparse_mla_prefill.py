@@ -7,8 +7,8 @@ timing), ``upstream_path_us`` the whole ``_rocm_sparse_attn_prefill_triton`` (de
 compaction: ``_count_valid_row_entries_kernel`` + cumsum + ``_compact_dense_row_to_ragged_kernel``,
 then the kernel), which is what vLLM runs and what ours replaces. Ours:
 ``kernels.sparse_mla_prefill.sparse_attn_prefill`` on the dense rows, sm90 tile (64 heads per
-program, wgmma) and sm80 tile (dims split across 4 warps, the Ampere 48 KiB tile, here run on
-Hopper).
+program, wgmma) and sm80 tile (16 heads x 16 keys on 2 warps, Q.K^T as two half-dim mma
+chains; the Ampere 48 KiB tile, here run on Hopper).
 
 Shapes: one request, T new tokens (512, 2048, 8192) after ``ctx`` cached ones (8K, 64K,
 1M), 64 and 128 heads, window 128, and two kinds of compressed layer: top-k 512 over a
