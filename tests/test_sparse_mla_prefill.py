@@ -265,10 +265,11 @@ def test_nan_and_inf_rows_give_zeros_as_upstream(device):
                       (ref[0][1:2, ok_heads], ref[1][1:2, ok_heads])) <= 0
 
 
-@pytest.mark.parametrize("variant_form", [("sm80", 1), ("sm80", 2), ("sm80", 4), ("sm90", 1)])
+@pytest.mark.parametrize("variant_form", [("sm80", 1), ("sm80", 2), ("sm80", 4), ("sm90", 1),
+                                          ("sm80", "one chain")])
 def test_forms_with_growing_maxima(device, tile_rows, variant_form):
-    # Both forms of the kernel (plain; dims split across 2 or 4 warps), on both tiles'
-    # shapes.
+    # Every form of the kernel (plain with one or two Q.K^T chains; dims split across 2 or 4
+    # warps), on both tiles' shapes.
     # Key magnitudes grow along the first list (x1.5 per 8 rows), so every tile raises the
     # rows' running max and rescales the accumulator; the second list runs the other way
     # (no rescale after the first tile).
@@ -280,8 +281,11 @@ def test_forms_with_growing_maxima(device, tile_rows, variant_form):
     idx[1] = idx[1].flip(0)                                        # descending
     lens = torch.tensor([64, 64, 41], dtype=torch.int32, device=device)
     base, split_d = variant_form
-    name = tile_rows(f"test-{base}-{split_d}", base=base, split_d=split_d,
-                     num_warps=split_d if split_d > 1 else spm.TILES[base].num_warps)
+    halves = spm.TILES[base].qk_halves and split_d == 1
+    split_d = 1 if split_d == "one chain" else split_d
+    name = tile_rows(f"test-{base}-{split_d}-{halves}", base=base, split_d=split_d,
+                     num_warps=split_d if split_d > 1 else spm.TILES[base].num_warps,
+                     qk_halves=halves)
     assert_close(run(q, kv, idx, lens, sink, name),
                  reference(q, kv, key_lists(idx.cpu(), lens), sink))
 
@@ -308,6 +312,12 @@ def test_qk_halves_form(device, tile_rows, out_d):
     got = run(q, kv, idx, lens, sink, name).float().cpu()
     assert not got.isnan().any()
     assert torch.equal(got == 0, run(q, kv, idx, lens, sink, "sm80").float().cpu() == 0)
+
+
+def test_qk_halves_refuses_the_forms_it_does_not_implement():
+    for bad in (dict(split_d=2, num_warps=2), dict(rescale_tau=8.0)):
+        with pytest.raises(ValueError, match="qk_halves"):
+            dataclasses.replace(spm.TILES["sm80"], qk_halves=True, **bad)
 
 
 def test_default_variant_runs(device):
@@ -664,7 +674,7 @@ def test_deferred_rescale_matches_the_reference(device, tile_rows, base, split_d
     # same bound as the other tests.
     name = tile_rows(f"test-tau-{base}-{split_d}-{tau}", base=base, split_d=split_d,
                      num_warps=split_d if split_d > 1 else spm.TILES[base].num_warps,
-                     rescale_tau=tau)
+                     rescale_tau=tau, qk_halves=False)  # qk_halves has no deferred rescale
     rows = 64
     grow = 1.5 ** (torch.arange(rows, dtype=torch.float32) / 8)
     q, kv, idx, sink = make(9, tokens=3, heads=16, rows=rows, width=64, device=device,

@@ -107,6 +107,12 @@ class Tile:
     # two-phase Ampere decode's Tile.qk_halves, measured there first).
     qk_halves: bool = False
 
+    def __post_init__(self):
+        if self.qk_halves and (self.split_d != 1 or self.rescale_tau):
+            raise ValueError(f"Tile: qk_halves needs split_d 1 (the plain form) and no "
+                             f"rescale_tau, got split_d {self.split_d}, rescale_tau "
+                             f"{self.rescale_tau}")
+
 
 # Tile table keyed by variant (docs/sparse-mla-prefill.md: compile-gate figures and why).
 # Ampere, 48 KiB per CTA: Q [16, 512] bf16 (16 KiB) stays in shared memory and the key tile
