@@ -290,28 +290,26 @@ def test_forms_with_growing_maxima(device, tile_rows, variant_form):
                  reference(q, kv, key_lists(idx.cpu(), lens), sink))
 
 
-@pytest.mark.parametrize("out_d", [D, 448])
-def test_qk_halves_form(device, tile_rows, out_d):
-    """Tile.qk_halves (Q.K^T as two half-dim dots, the output in two halves): within the
-    reference bound with growing maxima and invalid entries, NoPE-only output too, and the
-    zero rows of the shipped tile (no valid key, NaN / inf keys and queries)."""
-    name = tile_rows("test-halves", base="sm80", qk_halves=True)
-    rows = 64
-    grow = 1.5 ** (torch.arange(rows, dtype=torch.float32) / 8)
-    q, kv, idx, sink = make(9, tokens=3, heads=16, rows=rows, width=64, device=device,
-                            scale_rows=grow)
-    idx[:] = torch.arange(rows, dtype=torch.int32, device=device)
-    idx[1] = idx[1].flip(0)
-    idx[2, ::5] = -1
-    lens = torch.tensor([64, 64, 41], dtype=torch.int32, device=device)
-    buf = torch.full((3, 16, D), 7.0, dtype=torch.bfloat16, device=device)
-    out = run(q, kv, idx, lens, sink, name, out=buf[..., :out_d])
-    assert_close(out, reference(q, kv, key_lists(idx.cpu(), lens), sink))
-    assert (buf[..., out_d:] == 7.0).all()
+def test_qk_halves_form_output_and_zero_rows(device, tile_rows):
+    """Tile.qk_halves stores the output in two halves: a NoPE-only output gets the first
+    448 columns of the 512-wide one and nothing past them; and the zero rows of the one-chain
+    form (no valid key, NaN / inf keys and queries). Its accuracy with growing maxima:
+    test_forms_with_growing_maxima."""
+    halves = tile_rows("test-halves", base="sm80", qk_halves=True)
+    one = tile_rows("test-one-chain", base="sm80", qk_halves=False)
+    q, kv, idx, sink = make(7, tokens=3, heads=16, rows=50, width=30, invalid=0.2,
+                            device=device)
+    lens = torch.tensor([30, 2, 17], dtype=torch.int32, device=device)
+    full = run(q, kv, idx, lens, sink, halves)
+    assert_close(full, reference(q, kv, key_lists(idx.cpu(), lens), sink))
+    buf = torch.full((3, 16, D), 5.0, dtype=torch.bfloat16, device=device)
+    narrow = run(q, kv, idx, lens, sink, halves, out=buf[..., :NOPE])
+    assert torch.equal(narrow.view(torch.int16), full[..., :NOPE].view(torch.int16))
+    assert (buf[..., NOPE:] == 5.0).all()
     q, kv, idx, sink, lens = _nan_inf_case(device)
-    got = run(q, kv, idx, lens, sink, name).float().cpu()
+    got = run(q, kv, idx, lens, sink, halves).float().cpu()
     assert not got.isnan().any()
-    assert torch.equal(got == 0, run(q, kv, idx, lens, sink, "sm80").float().cpu() == 0)
+    assert torch.equal(got == 0, run(q, kv, idx, lens, sink, one).float().cpu() == 0)
 
 
 def test_qk_halves_refuses_the_forms_it_does_not_implement():

@@ -380,13 +380,18 @@ def run(record) -> None:
                 "hits": dict(cache.hits) if cache else None,
                 "finite": all(bool(o.float().isfinite().all()) for o in outs)}
 
-    record("yoco/on", one, "on")
-    os.environ["DEEPINFER_YOCO_REUSE"] = "0"
-    try:
-        record("yoco/off", one, "off")
-    finally:
-        os.environ.pop("DEEPINFER_YOCO_REUSE")
-        routing.reset()
+    def on_and_off(prefix: str, on_label: str):
+        """Record ``<prefix>on`` (reuse on, outputs kept as ``on_label``) and ``<prefix>off``
+        (DEEPINFER_YOCO_REUSE=0, kept as "off")."""
+        record(f"{prefix}on", one, on_label)
+        os.environ["DEEPINFER_YOCO_REUSE"] = "0"
+        try:
+            record(f"{prefix}off", one, "off")
+        finally:
+            os.environ.pop("DEEPINFER_YOCO_REUSE")
+            routing.reset()
+
+    on_and_off("yoco/", "on")
 
     def equal(label="on"):
         import torch
@@ -413,13 +418,7 @@ def run(record) -> None:
     # Two SWA cache groups (layers alternate): the same shares across groups, except the
     # SWA window's lists, which read each group's block table.
     model.swa_groups = 2
-    record("yoco/groups2_on", one, "groups2_on")
-    os.environ["DEEPINFER_YOCO_REUSE"] = "0"
-    try:
-        record("yoco/groups2_off", one, "off")
-    finally:
-        os.environ.pop("DEEPINFER_YOCO_REUSE")
-        routing.reset()
+    on_and_off("yoco/groups2_", "groups2_on")
     record("yoco/groups2_outputs_equal", equal, "groups2_on")
     record("yoco/groups2_verify", verify)
     model.swa_groups = 1

@@ -49,6 +49,7 @@ from vllm.deepinfer.fp8 import (cvt_e4m3_to_f32, e4m3_to_f32_e4b15, e4m3_to_f32_
 from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.kernels.checks import (FLOAT_DTYPES, INDEX_DTYPES, check, check_mla_query,
                                            check_tensor)
+from vllm.deepinfer.kernels.qk_halves import halves_step
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM
 # Record geometry as kernel constants. A key row is built as [BLOCK_N, 8, 64]: the 7 NoPE
 # chunks of one UE8M0 scale each, then the RoPE tail, which is exactly one chunk wide.
@@ -345,10 +346,8 @@ def _attend_rows_halves(q_row_ptr, q_stride1, heads, hmask, ws_ptr, valid_ptr, w
                         qk_scale, DOT_FP32: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_N: tl.constexpr):
     """Phase 2's loop over workspace rows [lo, hi) with Q, the keys and the output split at
-    dim 256 (``Tile.qk_halves``): scores = (Q_a.K_a^T) * scale + (Q_b.K_b^T) * scale, two
-    independent mma chains (the products are scaled before the sum, so Triton cannot fold one
-    dot into the other's accumulator). Returns (m, l, acc [BLOCK_H, 512]) as the main loop
-    leaves them."""
+    dim 256 (``Tile.qk_halves``; the step is kernels/qk_halves.py's). Returns (m, l,
+    acc [BLOCK_H, 512]) as the main loop leaves them."""
     D: tl.constexpr = _D
     HD: tl.constexpr = _D // 2
     hc = tl.arange(0, HD)
@@ -371,20 +370,8 @@ def _attend_rows_halves(q_row_ptr, q_stride1, heads, hmask, ws_ptr, valid_ptr, w
         kb = tl.load(ws_ptr + row[:, None] * D + HD + hc[None, :], mask=live[:, None],
                      other=0.0)
         valid = tl.load(valid_ptr + row, mask=live, other=0) != 0
-        if DOT_FP32:
-            ka = ka.to(tl.float32)
-            kb = kb.to(tl.float32)
-        s = tl.dot(qa, tl.trans(ka)) * qk_scale + tl.dot(qb, tl.trans(kb)) * qk_scale
-        s = tl.where(valid[None, :], s, NEG_LARGE)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        p = tl.where(valid[None, :], p, 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        pk = p.to(ka.dtype)
-        acc_a = acc_a * alpha[:, None] + tl.dot(pk, ka)
-        acc_b = acc_b * alpha[:, None] + tl.dot(pk, kb)
-        m_i = m_new
+        m_i, l_i, acc_a, acc_b = halves_step(qa, qb, ka, kb, valid, m_i, l_i, acc_a, acc_b,
+                                             qk_scale, DOT_FP32)
     # [BLOCK_H, 256, 2] -> [BLOCK_H, 2, 256] -> [BLOCK_H, 512]: half a, then half b.
     acc = tl.reshape(tl.permute(tl.join(acc_a, acc_b), (0, 2, 1)), (BLOCK_H, D))
     return m_i, l_i, acc

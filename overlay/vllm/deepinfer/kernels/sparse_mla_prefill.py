@@ -52,6 +52,7 @@ from vllm.deepinfer import arch
 from vllm.deepinfer.compile_gate import GateSpec, register
 from vllm.deepinfer.kernels.checks import (FLOAT_DTYPES, INDEX_DTYPES, check, check_mla_query,
                                            check_tensor)
+from vllm.deepinfer.kernels.qk_halves import halves_step
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, ROPE_DIM
 from vllm.deepinfer.kv_record import TL_HEAD_DIM as _D  # 512 columns per key row and query
 
@@ -212,9 +213,7 @@ def _attend_halves(q_rows, out_rows, kv_ptr, idx_ptr, start, n, kv_stride0, num_
                    BLOCK_N: tl.constexpr, LOOP_STAGES: tl.constexpr, UNROLL: tl.constexpr,
                    WARP_SPEC: tl.constexpr):
     """The plain form's key loop and epilogue with Q, the keys and the output split at dim
-    256 (``Tile.qk_halves``): scores = (Q_a.K_a^T) * scale + (Q_b.K_b^T) * scale, two
-    independent mma chains (each product scaled before the sum, so Triton does not fold one
-    dot into the other's accumulator)."""
+    256 (``Tile.qk_halves``; the step is kernels/qk_halves.py's)."""
     HD: tl.constexpr = _D // 2
     hc = tl.arange(0, HD)
     qa = tl.load(q_rows[:, None] + hc[None, :], mask=hmask[:, None], other=0.0)
@@ -232,23 +231,8 @@ def _attend_halves(q_rows, out_rows, kv_ptr, idx_ptr, start, n, kv_stride0, num_
                                 BLOCK_N)
         ka = tl.load(rows[:, None] + hc[None, :], mask=valid[:, None], other=0.0)
         kb = tl.load(rows[:, None] + HD + hc[None, :], mask=valid[:, None], other=0.0)
-        if DOT_FP32:
-            ka = ka.to(tl.float32)
-            kb = kb.to(tl.float32)
-        s = tl.dot(qa, tl.trans(ka)) * qk_scale + tl.dot(qb, tl.trans(kb)) * qk_scale
-        s = tl.where(valid[None, :], s, NEG_LARGE)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        p = tl.where(valid[None, :], p, 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc_a = acc_a * alpha[:, None]
-        acc_b = acc_b * alpha[:, None]
-        m_i = m_new
-        if not DOT_FP32:
-            p = p.to(tl.bfloat16)
-        acc_a = tl.dot(p, ka, acc_a)
-        acc_b = tl.dot(p, kb, acc_b)
+        m_i, l_i, acc_a, acc_b = halves_step(qa, qb, ka, kb, valid, m_i, l_i, acc_a, acc_b,
+                                             qk_scale, DOT_FP32)
     factor, ok = _row_scale(m_i, l_i, sink_ptr, heads, hmask, HAS_SINK)
     oa = tl.where(ok[:, None], acc_a * factor[:, None], 0.0)
     ob = tl.where(ok[:, None], acc_b * factor[:, None], 0.0)
