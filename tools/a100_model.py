@@ -895,6 +895,67 @@ def writer_workload(kernel: str, shape: dict, variant: str, cc: int, nbytes: flo
                     nbytes, 0.0)
 
 
+def prefill_workload(shape: dict, variant: str, cc: int, nbytes: float) -> Workload:
+    """The sparse_mla_prefill suite's launch of ours (benchmarks/suites/sparse_mla_prefill.py):
+    dense rows of ``shape["keys"]`` entries per token (the row's mean list length), sink on,
+    a 512-wide output, an aligned workspace; grid tokens x head tiles, one loop trip per key
+    tile. ``nbytes``: the bytes the suite counts for the row (Q, output, the workspace rows
+    and the index lists)."""
+    _overlay_on_path()
+    from vllm.deepinfer.kernels import sparse_mla_prefill as spm
+    from vllm.deepinfer.kv_record import HEAD_DIM
+    tile = spm.TILES[variant]
+    T, H, keys = shape["tokens"], shape["heads"], shape["keys"]
+    block_h, head_tiles = spm.launch_plan(H, tile)
+    width = -(-(shape["topk"] + shape.get("window", 128)) // 128) * 128
+    spec = dataclasses.replace(
+        _spec(f"sparse_mla_prefill[{variant.split('-')[0]}]",
+              **spm.gate_constexprs(dataclasses.replace(tile, block_h=block_h))),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    ints = dict(q_stride0=H * HEAD_DIM, q_stride1=HEAD_DIM, kv_stride0=HEAD_DIM,
+                idx_stride0=width, out_stride0=H * HEAD_DIM, out_stride1=HEAD_DIM,
+                num_rows=3, num_heads=H, head_tiles=head_tiles, width=width)
+    code = code_for(spec, cc, ints)
+    trips = math.ceil(keys / tile.block_n)
+    flops = 2.0 * 2 * T * H * keys * HEAD_DIM
+    return Workload("sparse_mla_prefill", variant, shape,
+                    [Launch(code, T * head_tiles, {_main_loop(code): trips})], nbytes, flops)
+
+
+def upstream_prefill_workload(shape: dict, cc: int, nbytes: float) -> Workload:
+    """Upstream's ``_sparse_attn_prefill_ragged_kernel`` as ``_rocm_sparse_attn_prefill_
+    ragged_triton`` launches it (grid (T, cdiv(H, 16)), BLOCK_H 16, BLOCK_K 16, 4 warps,
+    Triton's default 3 stages), from build/upstream_kernels (tools/extract_upstream.py)."""
+    import importlib
+    from vllm.deepinfer.compile_gate import GateSpec
+    from vllm.deepinfer.kv_record import HEAD_DIM
+    if str(BUILD) not in sys.path:
+        sys.path.insert(0, str(BUILD))
+    try:
+        fn = importlib.import_module(
+            "upstream_kernels.v41_sparse_prefill")._sparse_attn_prefill_ragged_kernel
+    except ImportError as e:
+        raise ModelError(f"upstream's prefill kernel: {e} (run `make upstream-kernels`)")
+    ptrs = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "kv_indices_ptr": "*i32",
+            "kv_indptr_ptr": "*i32", "attn_sink_ptr": "*fp32", "out_ptr": "*bf16"}
+    const = dict(HAS_ATTN_SINK=True, OUT_DV=HEAD_DIM, BLOCK_H=16, BLOCK_D=HEAD_DIM,
+                 BLOCK_K=16)
+    sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n == "scale" else "i32")
+           for n in fn.arg_names}
+    spec = GateSpec(name="upstream._sparse_attn_prefill_ragged_kernel", kernel=fn,
+                    signature=sig, constexprs=const, variants=(), num_warps=4, num_stages=3)
+    T, H, keys = shape["tokens"], shape["heads"], shape["keys"]
+    ints = dict(q_stride_t=H * HEAD_DIM, q_stride_h=HEAD_DIM, q_stride_d=1,
+                kv_stride_n=HEAD_DIM, kv_stride_d=1, out_stride_t=H * HEAD_DIM,
+                out_stride_h=HEAD_DIM, out_stride_d=1, num_heads=H, head_dim=HEAD_DIM,
+                num_kv=3)
+    code = code_for(spec, cc, ints)
+    flops = 2.0 * 2 * T * H * keys * HEAD_DIM
+    return Workload("sparse_mla_prefill", "upstream", shape,
+                    [Launch(code, T * math.ceil(H / 16), {_main_loop(code): math.ceil(keys / 16)})],
+                    nbytes, flops)
+
+
 # ============================================================================ validation
 # Committed H200 measurements the validation reads (GPU time from CUDA graphs), with the
 # kernel families the model covers. The kernels' jitted code is the code of this commit
@@ -1208,6 +1269,83 @@ def _annotate(args) -> int:
     return 0
 
 
+def _prefill_bytes(shape: dict) -> float:
+    """What one prefill launch must move: Q and the output (bf16), the chunk's workspace
+    rows (N = (ctx + T) // ratio compressed rows, then T + min(ctx, 127) SWA rows, 1 KiB
+    each) and the index lists (int32 rows of top-k + window entries)."""
+    _overlay_on_path()
+    from vllm.deepinfer.kv_record import HEAD_DIM
+    T, ctx, H = shape["tokens"], shape["ctx"], shape["heads"]
+    rows = (ctx + T) // shape["ratio"] + T + min(ctx, 127)
+    return 2.0 * T * H * HEAD_DIM * 2 + rows * HEAD_DIM * 2 + T * (shape["topk"] + 128) * 4
+
+
+def prefill_rows(data: dict) -> list[dict]:
+    """Model rows for a sparse_mla_prefill results file: for each measured row (ours sm80 /
+    sm90 and, in the same row, upstream's kernel) the model's H200 time from the sm_90
+    build and its error; for the Ampere tile, A100 predictions of ours and of upstream's
+    kernel from their sm_80 builds, the limit, and the predicted ratio."""
+    out = []
+    for r in data["rows"]:
+        if r.get("kernel") != "sparse_mla_prefill" or r.get("variant") not in ("sm80", "sm90"):
+            continue
+        sh = r["shape"]
+        nb = float(r["bytes"]) if r.get("bytes") else _prefill_bytes(sh)
+        ours = predict(prefill_workload(sh, r["variant"], 90, nb), H200)
+        up = predict(upstream_prefill_workload(sh, 90, nb), H200)
+        row = {"kernel": "sparse_mla_prefill", "variant": r["variant"], "shape": sh,
+               "measured_h200_us": r["ours_us"], "predicted_h200_us": round(ours["us"], 2),
+               "error": round(ours["us"] / r["ours_us"] - 1, 4), "bound": ours["bound"],
+               "upstream_measured_h200_us": r["upstream_us"],
+               "upstream_predicted_h200_us": round(up["us"], 2),
+               "upstream_error": round(up["us"] / r["upstream_us"] - 1, 4)}
+        if r["variant"] == "sm80":
+            for name, gpu in (("a100_40gb", A100_40GB), ("a100_80gb", A100_80GB)):
+                a = predict(prefill_workload(sh, "sm80", 80, nb), gpu)
+                u = predict(upstream_prefill_workload(sh, 80, nb), gpu)
+                row.update({f"predicted_{name}_us": round(a["us"], 2),
+                            f"upstream_predicted_{name}_us": round(u["us"], 2),
+                            f"{name}_limit_us": round(a["limit_us"], 2),
+                            f"predicted_speedup_{name}": round(u["us"] / a["us"], 3),
+                            f"{name}_bound": a["bound"]})
+        out.append(row)
+    return out
+
+
+def _prefill(args) -> int:
+    path = Path(args.measured)
+    data = json.loads(path.read_text())
+    rows = prefill_rows(data)
+    if not rows:
+        raise ModelError(f"{path}: no sparse_mla_prefill rows")
+    errs = collections.defaultdict(list)
+    for r in rows:
+        errs[r["variant"]].append(r["error"])
+        errs["upstream"].append(r["upstream_error"])
+    summary = {k: {"rows": len(v), "median_abs_error": round(sorted(map(abs, v))[len(v) // 2], 4),
+                   "max_abs_error": round(max(map(abs, v)), 4),
+                   "mean_error": round(sum(v) / len(v), 4)} for k, v in errs.items()}
+    out = {"meta": {**_meta(), "measured": path.name, "measured_commit": data["meta"].get("commit"),
+                    "note": "predicted_* are model predictions (tools/a100_model.py), not "
+                    "measurements; measured_* are the H200 times of the results file"},
+           "rows": rows, "summary": summary}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    print("| variant | T | ctx | top-k | heads | H200 meas / pred µs (error) | upstream H200 meas / "
+          "pred µs (error) | A100-40GB ours / upstream µs (×) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = r["shape"]
+        a100 = (f"{r['predicted_a100_40gb_us']:.0f} / {r['upstream_predicted_a100_40gb_us']:.0f} "
+                f"({r['predicted_speedup_a100_40gb']:.2f}×)" if r["variant"] == "sm80" else "–")
+        print(f"| {r['variant']} | {s['tokens']} | {s['ctx']} | {s['topk']} | {s['heads']} | "
+              f"{r['measured_h200_us']:.0f} / {r['predicted_h200_us']:.0f} ({r['error']:+.0%}) | "
+              f"{r['upstream_measured_h200_us']:.0f} / {r['upstream_predicted_h200_us']:.0f} "
+              f"({r['upstream_error']:+.0%}) | {a100} |")
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1229,6 +1367,10 @@ def main(argv=None) -> int:
     n.add_argument("results", help="a benchmarks/results/*.json file")
     n.add_argument("--out", help="write here instead of in place")
     n.add_argument("--chart", help="also draw the decode chart (PNG; needs matplotlib)")
+    f = sub.add_parser("prefill", help="model rows for a sparse_mla_prefill results file: "
+                       "H200 error of ours and upstream's kernel, A100 predictions of both")
+    f.add_argument("--measured", required=True, help="a benchmarks/results/*.json file")
+    f.add_argument("--json")
     a = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print(f"{PROG}: TRITON_INTERPRET is set: the model compiles real kernels; unset it",
@@ -1236,7 +1378,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return {"counts": _counts, "validate": _validate, "decode": _decode,
-                "annotate": _annotate}[a.cmd](a)
+                "annotate": _annotate, "prefill": _prefill}[a.cmd](a)
     except ModelError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
