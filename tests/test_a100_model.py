@@ -263,3 +263,56 @@ def test_decode_predictions_file():
     assert set(measured) <= seen
     two = [r for r in data["rows"] if r["variant"] == "sm80-2p"]
     assert len(two) == 10 and all(r["ours_us"] is None for r in two)
+
+
+def test_prefill_model_file():
+    """benchmarks/results/a100-model-prefill-cd92e29.json: per row of the prefill suite it
+    names, the measured H200 times unchanged, errors = predicted / measured - 1, and for the
+    Ampere tile A100 predictions of ours and upstream's kernel at or above the A100 limit,
+    with their ratio."""
+    data = json.loads((REPO / "benchmarks" / "results" /
+                       "a100-model-prefill-cd92e29.json").read_text())
+    src = json.loads((REPO / "benchmarks" / "results" / data["meta"]["measured"]).read_text())
+    measured = {(r["variant"], json.dumps(r["shape"], sort_keys=True)): r
+                for r in src["rows"] if r["kernel"] == "sparse_mla_prefill"}
+    assert len(data["rows"]) == len(measured) == 72
+    for r in data["rows"]:
+        src_row = measured[(r["variant"], json.dumps(r["shape"], sort_keys=True))]
+        assert r["measured_h200_us"] == src_row["ours_us"]
+        assert r["upstream_measured_h200_us"] == src_row["upstream_us"]
+        assert r["error"] == pytest.approx(r["predicted_h200_us"] / r["measured_h200_us"] - 1,
+                                           abs=1e-3)
+        if r["variant"] == "sm80":
+            for g in ("a100_40gb", "a100_80gb"):
+                assert r[f"predicted_{g}_us"] >= r[f"{g}_limit_us"]
+                assert r[f"predicted_speedup_{g}"] == pytest.approx(
+                    r[f"upstream_predicted_{g}_us"] / r[f"predicted_{g}_us"], rel=1e-2)
+    s = data["summary"]
+    assert s["sm80"]["rows"] == s["sm90"]["rows"] == 36 and s["upstream"]["rows"] == 72
+
+
+def test_prefill_workload_sees_the_two_chains():
+    """The same prefill launch with the Ampere tile's Q.K^T in one chain and in two
+    (Tile.qk_halves): real sm_80 builds (in a process without the interpreter), and the
+    model predicts the two-chain build faster on an A100, as the H200 measured it (sweep
+    3a8606c)."""
+    code = """
+import dataclasses, json
+import a100_model as m
+from vllm.deepinfer.kernels import sparse_mla_prefill as spm
+shape = dict(tokens=2048, ctx=65536, topk=512, ratio=2, heads=64, keys=640)
+us = {}
+for halves in (True, False):
+    name = f"sm80-test{int(halves)}"  # the sm80 spec, this row's tile
+    spm.TILES[name] = dataclasses.replace(spm.TILES["sm80"], qk_halves=halves)
+    wl = m.prefill_workload(shape, name, 80, m._prefill_bytes(shape))
+    us[str(halves)] = m.predict(wl, m.A100_40GB)["us"]
+print(json.dumps(us))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "overlay"), str(REPO / "tools")])
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    us = json.loads(r.stdout.strip().splitlines()[-1])
+    assert us["True"] < 0.9 * us["False"], us
