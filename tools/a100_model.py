@@ -775,7 +775,8 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     swa_page, comp_page = 32, 64
     spec = dataclasses.replace(
         _spec(f"sparse_mla_decode.{'partial' if split else 'direct'}[{tv}]", INV_ROPE=False,
-              MAIN_BS=swa_page, EXTRA_BS=comp_page, BLOCK_H=block_h, BLOCK_N=tile.block_n),
+              MAIN_BS=swa_page, EXTRA_BS=comp_page, BLOCK_H=block_h, BLOCK_N=tile.block_n,
+              QK_HALVES=tile.predequant and tile.qk_halves),
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     ints = dict(q_stride0=heads * HEAD_DIM, q_stride1=HEAD_DIM, out_stride0=heads * HEAD_DIM,
                 out_stride1=HEAD_DIM, main_stride0=swa_page * RECORD_BYTES,

@@ -463,11 +463,18 @@ def main(argv=None) -> int:
                           "dropped": {n: sm80[n].get("max_shared") or sm80[n].get("error")
                                       for n in dropped}}), flush=True)
     run = [c for c in cands if c.name not in sm80 or _sm80_fits(sm80[c.name], args.smem_limit)]
-    rows, meta = ([], {}) if args.model_only else gpu_sweep(args, run, sm80)
+    rows, meta = ([], model_meta()) if args.model_only else gpu_sweep(args, run, sm80)
     print(table(cands, sm80, rows, args.smem_limit), flush=True)
     if args.out:
         write_out(args.out, meta, sm80, rows)
     return 0
+
+
+def model_meta() -> dict:
+    """--model-only: no GPU ran; the file holds sm_80 builds and model predictions."""
+    import a100_model as am
+    return {**am._meta(), "note": "--model-only: sm_80 builds and tools/a100_model.py "
+            "predictions (A100-40GB and H200); no GPU ran, nothing here is a measurement"}
 
 
 def write_out(path, meta, sm80, rows) -> None:
