@@ -14,11 +14,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["halves_step"]
+__all__ = ["halves_start", "halves_step"]
 
 # The kernels' finite "minus infinity" for masked scores (upstream's value; see
 # sparse_mla_prefill.NEG_LARGE).
 NEG_LARGE = tl.constexpr(-3.4028234663852886e38)
+
+
+@triton.jit
+def halves_start(q_rows, hmask, DOT_FP32: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Q's two halves from the row pointers ``q_rows`` [BLOCK_H] (masked heads read 0) and the
+    loop's initial state: (qa, qb, m_i, l_i, acc_a, acc_b)."""
+    HD: tl.constexpr = 256
+    hc = tl.arange(0, HD)
+    qa = tl.load(q_rows[:, None] + hc[None, :], mask=hmask[:, None], other=0.0)
+    qb = tl.load(q_rows[:, None] + HD + hc[None, :], mask=hmask[:, None], other=0.0)
+    if DOT_FP32:
+        qa = qa.to(tl.float32)
+        qb = qb.to(tl.float32)
+    return (qa, qb, tl.full((BLOCK_H,), NEG_LARGE, tl.float32), tl.zeros((BLOCK_H,), tl.float32),
+            tl.zeros((BLOCK_H, HD), tl.float32), tl.zeros((BLOCK_H, HD), tl.float32))
 
 
 @triton.jit

@@ -52,7 +52,7 @@ from vllm.deepinfer import arch
 from vllm.deepinfer.compile_gate import GateSpec, register
 from vllm.deepinfer.kernels.checks import (FLOAT_DTYPES, INDEX_DTYPES, check, check_mla_query,
                                            check_tensor)
-from vllm.deepinfer.kernels.qk_halves import halves_step
+from vllm.deepinfer.kernels.qk_halves import halves_start, halves_step
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, ROPE_DIM
 from vllm.deepinfer.kv_record import TL_HEAD_DIM as _D  # 512 columns per key row and query
 
@@ -216,15 +216,7 @@ def _attend_halves(q_rows, out_rows, kv_ptr, idx_ptr, start, n, kv_stride0, num_
     256 (``Tile.qk_halves``; the step is kernels/qk_halves.py's)."""
     HD: tl.constexpr = _D // 2
     hc = tl.arange(0, HD)
-    qa = tl.load(q_rows[:, None] + hc[None, :], mask=hmask[:, None], other=0.0)
-    qb = tl.load(q_rows[:, None] + HD + hc[None, :], mask=hmask[:, None], other=0.0)
-    if DOT_FP32:
-        qa = qa.to(tl.float32)
-        qb = qb.to(tl.float32)
-    m_i = tl.full((BLOCK_H,), NEG_LARGE, tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc_a = tl.zeros((BLOCK_H, HD), tl.float32)
-    acc_b = tl.zeros((BLOCK_H, HD), tl.float32)
+    qa, qb, m_i, l_i, acc_a, acc_b = halves_start(q_rows, hmask, DOT_FP32, BLOCK_H)
     for k0 in tl.range(0, n, BLOCK_N, num_stages=LOOP_STAGES, loop_unroll_factor=UNROLL,
                        warp_specialize=WARP_SPEC):
         rows, valid = _key_rows(idx_ptr, start, k0, n, kv_ptr, kv_stride0, num_rows, ALIGNED,
