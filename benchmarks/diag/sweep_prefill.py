@@ -190,6 +190,8 @@ def gate_upstream(cc: int) -> dict:
     return rec
 
 
+# The timing run's machine and versions (the harness's meta), written with the results.
+META: dict = {}
 # --only: the candidate names to gate and time (None: all).
 ONLY: set | None = None
 
@@ -251,6 +253,7 @@ def time_all(rows_gate: list[dict], sm90_only: bool = False) -> list[dict]:
     from harness import Harness, max_abs_diff
     import suites.sparse_mla_prefill as S
     h = Harness(quick=True)
+    META.update(h.meta)
     print(json.dumps({"meta": h.meta}), flush=True)
     out = []
     shapes = [(2048, 64 << 10, 512, 2, 64), (2048, 64 << 10, 512, 2, 128),
@@ -332,7 +335,8 @@ def main(argv=None) -> int:
     print(f"# wall {time.perf_counter() - t0:.0f} s")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"gate": gate, "timings": timings}, indent=1) + "\n")
+        a.out.write_text(json.dumps({"meta": META, "gate": gate, "timings": timings},
+                                    indent=1) + "\n")
         print(f"wrote {a.out}")
     return 0
 
