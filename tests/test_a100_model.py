@@ -287,6 +287,8 @@ def test_prefill_model_file():
                 assert r[f"predicted_{g}_us"] >= r[f"{g}_limit_us"]
                 assert r[f"predicted_speedup_{g}"] == pytest.approx(
                     r[f"upstream_predicted_{g}_us"] / r[f"predicted_{g}_us"], rel=1e-2)
+                # The shipped tile's two Q.K^T chains against the same tile with one.
+                assert r[f"predicted_{g}_us_one_chain"] > r[f"predicted_{g}_us"]
     s = data["summary"]
     assert s["sm80"]["rows"] == s["sm90"]["rows"] == 36 and s["upstream"]["rows"] == 72
 

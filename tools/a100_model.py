@@ -1281,11 +1281,20 @@ def _prefill_bytes(shape: dict) -> float:
     return 2.0 * T * H * HEAD_DIM * 2 + rows * HEAD_DIM * 2 + T * (shape["topk"] + 128) * 4
 
 
+# A row of the prefill tile table the model adds for itself: the Ampere tile with
+# qk_halves off (the spec is sm80's; prefill_workload takes the tile from the row).
+ONE_CHAIN = "sm80-one-chain"
+
+
 def prefill_rows(data: dict) -> list[dict]:
     """Model rows for a sparse_mla_prefill results file: for each measured row (ours sm80 /
     sm90 and, in the same row, upstream's kernel) the model's H200 time from the sm_90
     build and its error; for the Ampere tile, A100 predictions of ours and of upstream's
-    kernel from their sm_80 builds, the limit, and the predicted ratio."""
+    kernel from their sm_80 builds, the limit, the predicted ratio, and ours with one Q.K^T
+    chain (``*_one_chain``, when the shipped tile has two)."""
+    _overlay_on_path()
+    from vllm.deepinfer.kernels import sparse_mla_prefill as spm
+    spm.TILES.setdefault(ONE_CHAIN, dataclasses.replace(spm.TILES["sm80"], qk_halves=False))
     out = []
     for r in data["rows"]:
         if r.get("kernel") != "sparse_mla_prefill" or r.get("variant") not in ("sm80", "sm90"):
@@ -1303,6 +1312,9 @@ def prefill_rows(data: dict) -> list[dict]:
         if r["variant"] == "sm80":
             for name, gpu in (("a100_40gb", A100_40GB), ("a100_80gb", A100_80GB)):
                 a = predict(prefill_workload(sh, "sm80", 80, nb), gpu)
+                if spm.TILES["sm80"].qk_halves:  # the same tile with one Q.K^T chain
+                    one = predict(prefill_workload(sh, ONE_CHAIN, 80, nb), gpu)
+                    row[f"predicted_{name}_us_one_chain"] = round(one["us"], 2)
                 u = predict(upstream_prefill_workload(sh, 80, nb), gpu)
                 row.update({f"predicted_{name}_us": round(a["us"], 2),
                             f"upstream_predicted_{name}_us": round(u["us"], 2),
