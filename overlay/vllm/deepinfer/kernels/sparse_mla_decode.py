@@ -187,8 +187,9 @@ TILES: dict[str, Tile] = {
     # qk_halves on (two independent Q.K^T chains): the H200 sweep of 9a2f512
     # (benchmarks/results/h200-2026-12-01-decode-2p-sweep-9a2f512.json, same shapes) ran
     # phase 2 at 64 tokens in 60.3 us against 64.3 with one chain (total 88.9 vs 92.4), 128
-    # tokens unchanged (152.5 vs 152.4), 16 tokens 40.6 vs 42.4; the sm_80 build keeps
-    # 34,816 B and 255 registers, its split build's spill stack drops from 176 to 48 B.
+    # tokens unchanged (152.5 vs 152.4), 16 tokens 40.6 vs 42.4. The sm_80 builds with the
+    # launches' specialization (benchmarks/results/a100-model-decode-2p-sweep-229e42c.json):
+    # 33,280 B, 255 registers (one chain: 227), no local-memory instructions either way.
     "sm80-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=4,
                     predequant=True, predequant_decode="f16bits", qk_halves=True),
     "sm86-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=2,
