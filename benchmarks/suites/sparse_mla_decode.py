@@ -36,8 +36,9 @@ from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM
 
-# sm80-2p: the two-phase Ampere decode (dequantize each token's keys once, then attend).
-OURS = ("sm90", "sm80", "sm80-2p")
+# sm80-2p: the two-phase Ampere decode (dequantize each token's keys once, then attend);
+# sm80-2p-h64: the same with phase 2 as the 64-head Gluon kernel (Tile.h64).
+OURS = ("sm90", "sm80", "sm80-2p", "sm80-2p-h64")
 # V4.1 pages as the measuring GPU (SM90) lays them out: SWA pages, compressed pages.
 SWA_PAGE, COMP_PAGE = shapes.V41.swa_page, shapes.compressed_page("sm90")
 WINDOW, TOPK = shapes.V41.window, shapes.V41.topk

@@ -47,6 +47,7 @@ from vllm.deepinfer.compile_gate import GateSpec, register
 from vllm.deepinfer.fp8 import (cvt_e4m3_to_f32, e4m3_to_f32_e4b15, e4m3_to_f32_f16bits,
                                 ue8m0_to_f32)
 from vllm.deepinfer.kernels import shapes
+from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64
 from vllm.deepinfer.kernels.checks import (FLOAT_DTYPES, INDEX_DTYPES, check, check_mla_query,
                                            check_tensor)
 from vllm.deepinfer.kernels.qk_halves import halves_step
@@ -62,7 +63,8 @@ from vllm.deepinfer.kv_record import TL_SCALE_BYTES as _SCALE  # 8 scale bytes (
 __all__ = ["sparse_attn_decode", "choose_num_splits", "launch_plan", "select_tile",
            "launch_tiles", "Tile", "TILES", "REDUCE_UNROLL", "GATE_VARIANTS",
            "PREDEQUANT_FEATURE", "PREDEQUANT_MIN_TOKENS", "PREDEQUANT_BLOCK_N",
-           "PREDEQUANT_WARPS", "PREDEQUANT_PROGRAMS_PER_SM", "PREDEQUANT_DECODES"]
+           "PREDEQUANT_WARPS", "PREDEQUANT_PROGRAMS_PER_SM", "PREDEQUANT_DECODES",
+           "phase2_tile", "uses_h64"]
 
 FEATURE = "sparse_mla_decode"
 # Softmax runs in the exp2 domain: scores and the sink are multiplied by log2(e) once.
@@ -146,6 +148,11 @@ class Tile:
     # k-steps through one accumulator (dependent HMMAs); two halves give the scheduler two
     # independent chains of 16. Same instructions and shared memory, other summation order.
     qk_halves: bool = False
+    # Phase 2 only: launches of h64.MIN_HEADS heads or more run the Gluon kernel of
+    # kernels/sparse_mla_decode_h64.py (64 heads per program, Q held in registers, each key
+    # tile staged once per token) instead of the Triton loop; fewer heads, the interpreter and
+    # a Triton without Gluon keep the Triton loop (uses_h64).
+    h64: bool = False
 
 
 # Tile table keyed by variant name (docs/sparse-mla-decode.md has the gate figures).
@@ -196,6 +203,9 @@ TILES: dict[str, Tile] = {
                     predequant=True, predequant_decode="f16bits", qk_halves=True),
     "cpu-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=1, ctas_per_sm=1,
                    predequant=True, predequant_decode="f16bits", qk_halves=True),
+    # Phase 2 as the 64-head Gluon kernel (Tile.h64); benchmark row.
+    "sm80-2p-h64": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=4,
+                        predequant=True, predequant_decode="f16bits", qk_halves=True, h64=True),
     # Ada: hardware e4m3, mma.sync like Ampere (no wgmma), 100 KiB per SM: the Ampere tile
     # keeps two CTAs per SM. Not measured by this project.
     "sm89": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
@@ -633,9 +643,25 @@ def choose_num_splits(tokens: int, head_tiles: int, avg_keys: float, tile: Tile,
     return math.ceil(key_tiles / tiles_per_split)
 
 
+def uses_h64(tile: Tile, heads: int) -> bool:
+    """Whether a launch of ``heads`` heads on ``tile`` runs phase 2 as the Gluon kernel."""
+    return (tile.predequant and tile.h64 and heads >= h64.MIN_HEADS and h64.AVAILABLE
+            and not arch.interpreting())
+
+
+def phase2_tile(tile: Tile, heads: int) -> Tile:
+    """The tile whose head and key blocks and residency the launch plan uses: ``tile``, or
+    the Gluon kernel's (64 heads x 16 keys, 8 warps, one CTA per SM at 255 registers)."""
+    if not uses_h64(tile, heads):
+        return tile
+    return dataclasses.replace(tile, block_h=h64.BLOCK_H, block_n=h64.BLOCK_N,
+                               num_warps=h64.NUM_WARPS, ctas_per_sm=1)
+
+
 def launch_plan(tokens: int, heads: int, avg_keys: float, tile: Tile, sm_count: int,
                 num_kv_splits: int | None = None) -> tuple[int, int]:
     """(heads per program, split count) for one launch."""
+    tile = phase2_tile(tile, heads)
     # Fewer heads than the tile: shrink it (tl.dot needs at least 16 rows).
     block_h = max(16, min(tile.block_h, triton.next_power_of_2(heads)))
     if num_kv_splits is None:
@@ -769,19 +795,26 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
             num_stages=1)
     else:
         ws, valid = out, main_indptr  # unused: PREDEQUANT=False reads the records
-    _sparse_mla_decode_kernel[(head_tiles, num_kv_splits, tokens)](
-        q, main_cache, main_indices, main_indptr, extra_cache, extra_indices, extra_indptr,
-        sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg, ws, valid,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        main_cache.stride(0), extra_cache.stride(0),
-        main_cache.shape[0] * main_cache.shape[1], extra_cache.shape[0] * extra_cache.shape[1],
-        cs_stride,
-        float(scale) * LOG2E.value, heads, num_kv_splits,
-        HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope and not split,
-        HW_FP8=v.hw_fp8, DOT_FP32=arch.interpreting(), ALIGNED=aligned,
-        MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1], BLOCK_H=block_h, BLOCK_N=tile.block_n,
-        PREFETCH=tile.prefetch, PREDEQUANT=predequant, QK_HALVES=predequant and tile.qk_halves,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if uses_h64(tile, heads):
+        h64.attend_rows_h64(
+            (head_tiles, num_kv_splits, tokens), q, ws, valid, main_indptr, extra_indptr,
+            sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg, cs_stride,
+            float(scale) * LOG2E.value, heads, num_kv_splits, has_extra=has_extra,
+            has_sink=has_sink, split=split, inv_rope=inv_rope and not split)
+    else:
+        _sparse_mla_decode_kernel[(head_tiles, num_kv_splits, tokens)](
+            q, main_cache, main_indices, main_indptr, extra_cache, extra_indices, extra_indptr,
+            sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg, ws, valid,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            main_cache.stride(0), extra_cache.stride(0),
+            main_cache.shape[0] * main_cache.shape[1], extra_cache.shape[0] * extra_cache.shape[1],
+            cs_stride,
+            float(scale) * LOG2E.value, heads, num_kv_splits,
+            HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope and not split,
+            HW_FP8=v.hw_fp8, DOT_FP32=arch.interpreting(), ALIGNED=aligned,
+            MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1], BLOCK_H=block_h, BLOCK_N=tile.block_n,
+            PREFETCH=tile.prefetch, PREDEQUANT=predequant, QK_HALVES=predequant and tile.qk_halves,
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
     if split:
         rbh = tile.reduce_block_h
         _sparse_mla_decode_reduce_kernel[(triton.cdiv(heads, rbh), tokens)](
@@ -868,6 +901,14 @@ def _register() -> None:
                         EXTRA_BS=GATE_COMPRESSED_PAGE, BLOCK_N=PREDEQUANT_BLOCK_N,
                         DECODE=PREDEQUANT_DECODES[t.predequant_decode]),
         variants=("sm80",), num_warps=PREDEQUANT_WARPS, num_stages=1, feature=FEATURE))
+    if h64.AVAILABLE:  # phase 2 as the 64-head Gluon kernel (Tile.h64)
+        for split in (False, True):
+            register(GateSpec(
+                name=f"sparse_mla_decode.h64.{'partial' if split else 'direct'}[sm80-2p]",
+                kernel=h64._attend_rows_h64_kernel, signature=h64.SIGNATURE,
+                constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split, INV_ROPE=not split),
+                variants=("sm80",), num_warps=h64.NUM_WARPS, num_stages=1, feature=FEATURE,
+                aligned_pointers=True))
 
 
 _register()

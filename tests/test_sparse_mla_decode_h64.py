@@ -1,0 +1,146 @@
+"""Phase 2 as the 64-head Gluon kernel (kernels/sparse_mla_decode_h64.py, ``Tile.h64``).
+
+On CPU: its selection (heads, interpreter, rows) and its sm_80 / sm_86 builds (40 KiB of
+shared memory, no local memory) — Gluon has no interpreter, so its numerics are tested on a
+GPU only: against the fp32 reference bound every decode variant meets, and within one bf16
+rounding of the Triton phase 2 of the same row, over split and unsplit launches, inverse
+RoPE, invalid slots, NaN bytes, empty rows, head counts that do not fill a 64-head tile, and
+a strided Q.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from test_sparse_mla_decode import (D, NOPE, ROPE, assert_close, make_cache, ragged, run_both,
+                                    setup)
+from test_sparse_mla_decode_predequant import same
+from vllm.deepinfer import arch
+from vllm.deepinfer.kernels import sparse_mla_decode as smd
+from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64
+
+ROW = "sm80-2p-h64"
+TRITON_ROW = "sm80-2p"  # the same row with the Triton phase 2
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon runs on a GPU only")
+
+
+def test_selection():
+    t = smd.TILES[ROW]
+    assert dataclasses.replace(t, h64=False) == smd.TILES[TRITON_ROW]
+    assert not smd.uses_h64(smd.TILES[TRITON_ROW], 64)
+    assert not smd.uses_h64(t, h64.MIN_HEADS - 1)
+    if h64.AVAILABLE and not arch.interpreting():
+        assert smd.uses_h64(t, h64.MIN_HEADS)
+        p = smd.phase2_tile(t, 128)
+        assert (p.block_h, p.block_n, p.num_warps, p.ctas_per_sm) == (64, 16, 8, 1)
+        # One CTA per SM: 64 tokens x 1 head tile split twice on 132 SMs, not on 108.
+        assert smd.launch_plan(64, 64, 640.0, t, 132) == (64, 2)
+        assert smd.launch_plan(64, 64, 640.0, t, 108) == (64, 1)
+    # Fewer heads: the Triton phase 2's plan.
+    assert smd.launch_plan(8, 16, 640.0, t, 132) == smd.launch_plan(8, 16, 640.0,
+                                                                    smd.TILES[TRITON_ROW], 132)
+
+
+_BUILD = """
+import json, subprocess, sys, tempfile
+import triton
+from vllm.deepinfer import compile_gate
+out = {}
+for s in compile_gate.specs():
+    if not s.name.startswith("sparse_mla_decode.h64."):
+        continue
+    for cc in s.targets:
+        k = compile_gate.compile_spec(s, cc)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([triton.__path__[0] + "/backends/nvidia/bin/cuobjdump",
+                                   "-sass", f.name], capture_output=True, text=True).stdout
+        out[f"{s.name}@{cc}"] = dict(shared=k.metadata.shared,
+                                     hmma=sass.count("HMMA.16816.F32.BF16"),
+                                     local=sass.count("LDL") + sass.count("STL"))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not h64.AVAILABLE, reason="this Triton has no Gluon")
+def test_ampere_builds_fit():
+    """The compile gate's specs (direct and partial) for sm_80 and sm_86: within 48 KiB, 64
+    HMMAs per warp and key tile (32 for Q.K^T, 32 for P.V), no local memory (spills). Built
+    in a subprocess: TRITON_INTERPRET (set for the CPU suite) replaces jit functions."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(repo / "overlay")
+    r = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert sorted(got) == [f"sparse_mla_decode.h64.{m}[sm80-2p]@{cc}"
+                           for m in ("direct", "partial") for cc in (80, 86)]
+    for name, f in got.items():
+        assert f["shared"] <= 48 * 1024, (name, f)
+        assert f["hmma"] == 64, (name, f)
+        assert f["local"] == 0, (name, f)
+
+
+def _both(seed, *, heads, splits, inv_rope=False, q_pad=0, **kw):
+    """(h64 output, Triton phase 2 output, reference) for one setup on the GPU."""
+    q, mc, mi, mp, sink, ex = setup("cuda", seed, heads=heads, **kw)
+    if q_pad:  # a Q whose head stride is not 512
+        wide = torch.zeros(q.shape[0], heads, D + q_pad, dtype=q.dtype, device=q.device)
+        wide[..., :D] = q
+        q = wide[..., :D]
+    got, ref = run_both(q, mc, mi, mp, sink, ex, variant=ROW, splits=splits, inv_rope=inv_rope,
+                        device="cuda")
+    tri, _ = run_both(q, mc, mi, mp, sink, ex, variant=TRITON_ROW, splits=splits,
+                      inv_rope=inv_rope, device="cuda")
+    return got, tri, ref
+
+
+@gpu
+@pytest.mark.parametrize("heads", [64, 128, 96])
+@pytest.mark.parametrize("splits,inv_rope", [(1, False), (1, True), (3, True), (2, False)])
+def test_matches_reference_and_triton_phase2(heads, splits, inv_rope):
+    # Invalid slots in both lists, tiles straddling the main/extra boundary, tokens of
+    # different key counts, 96 heads: a half-empty second head tile.
+    got, tri, ref = _both(3, heads=heads, splits=splits, inv_rope=inv_rope,
+                          main_lens=[21, 5, 40, 128], extra_lens=[30, 44, 9, 512], invalid=0.3,
+                          extra_blocks=12)
+    assert smd.uses_h64(smd.TILES[ROW], heads)
+    assert_close(got, ref)
+    assert same(got, tri)
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+@gpu
+@pytest.mark.parametrize("splits", [1, 2])
+def test_swa_only_empty_rows_and_strided_q(splits):
+    # A token with no keys and one whose keys are all invalid give zeros (sink only).
+    got, tri, ref = _both(5, heads=64, splits=splits, main_lens=[0, 7, 33, 16], invalid=0.0,
+                          q_pad=64)
+    assert_close(got, ref)
+    assert same(got, tri)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+@gpu
+def test_nan_bytes_and_all_invalid_rows():
+    q, mc, mi, mp, sink, ex = setup("cuda", 11, heads=64, main_lens=[40, 17], extra_lens=[64, 3],
+                                    invalid=0.2)
+    mc.view(-1)[:: 997] = 0x7F  # e4m3 NaN codes and stray bytes (scrubbed to 0 as upstream)
+    got, ref = run_both(q, mc, mi, mp, sink, ex, variant=ROW, splits=1, device="cuda")
+    tri, _ = run_both(q, mc, mi, mp, sink, ex, variant=TRITON_ROW, splits=1, device="cuda")
+    assert not torch.isnan(got.float()).any()
+    assert same(got, tri)
+    mi_bad = torch.full_like(mi, -1)
+    ex_bad = dict(ex, extra_indices=torch.full_like(ex["extra_indices"], -1))
+    got, _ = run_both(q, mc, mi_bad, mp, None, ex_bad, variant=ROW, splits=1, device="cuda")
+    assert torch.equal(got, torch.zeros_like(got))
