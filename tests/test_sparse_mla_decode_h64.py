@@ -14,9 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from test_sparse_mla_decode import (D, NOPE, ROPE, assert_close, make_cache, ragged, run_both,
-                                    setup)
-from test_sparse_mla_decode_predequant import same
+from test_sparse_mla_decode import TOL_ABS, TOL_REL, D, assert_close, run_both, setup
 from vllm.deepinfer import arch
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
 from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64
@@ -25,6 +23,16 @@ ROW = "sm80-2p-h64"
 TRITON_ROW = "sm80-2p"  # the same row with the Triton phase 2
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon runs on a GPU only")
+
+
+def near(got, tri, ref):
+    """The Gluon and Triton phase 2 sum the scores in other fp32 orders: both meet the
+    reference bound, and they differ by at most that bound (outputs that cancel to near
+    zero can move by a few bf16 ulps, so a relative check on the pair alone is too tight)."""
+    assert_close(tri, ref)
+    _, mag = ref
+    err = (got.float() - tri.float()).abs().cpu()
+    assert (err <= TOL_ABS + TOL_REL * mag).all(), err.max()
 
 
 def test_selection():
@@ -116,7 +124,7 @@ def test_matches_reference_and_triton_phase2(heads, splits, inv_rope):
                           extra_blocks=12)
     assert smd.uses_h64(smd.TILES[ROW], heads)
     assert_close(got, ref)
-    assert same(got, tri)
+    near(got, tri, ref)
     assert not torch.equal(got, torch.zeros_like(got))
 
 
@@ -127,7 +135,7 @@ def test_swa_only_empty_rows_and_strided_q(splits):
     got, tri, ref = _both(5, heads=64, splits=splits, main_lens=[0, 7, 33, 16], invalid=0.0,
                           q_pad=64)
     assert_close(got, ref)
-    assert same(got, tri)
+    near(got, tri, ref)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
@@ -138,8 +146,8 @@ def test_nan_bytes_and_all_invalid_rows():
     mc.view(-1)[:: 997] = 0x7F  # e4m3 NaN codes and stray bytes (scrubbed to 0 as upstream)
     got, ref = run_both(q, mc, mi, mp, sink, ex, variant=ROW, splits=1, device="cuda")
     tri, _ = run_both(q, mc, mi, mp, sink, ex, variant=TRITON_ROW, splits=1, device="cuda")
-    assert not torch.isnan(got.float()).any()
-    assert same(got, tri)
+    assert_close(got, ref)
+    near(got, tri, ref)
     mi_bad = torch.full_like(mi, -1)
     ex_bad = dict(ex, extra_indices=torch.full_like(ex["extra_indices"], -1))
     got, _ = run_both(q, mc, mi_bad, mp, None, ex_bad, variant=ROW, splits=1, device="cuda")

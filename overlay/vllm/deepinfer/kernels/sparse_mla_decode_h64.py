@@ -60,7 +60,7 @@ if AVAILABLE:
         q_stride0, q_stride1, out_stride0, out_stride1, cs_stride,
         qk_scale, num_heads, num_splits,
         HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        INV_ROPE: gl.constexpr,
+        INV_ROPE: gl.constexpr, QK_SLICES: gl.constexpr = 1,
     ):
         """Grid (cdiv(heads, 64), splits, tokens). ``qk_scale`` = softmax scale * log2(e)."""
         H: gl.constexpr = 64
@@ -104,9 +104,18 @@ if AVAILABLE:
         heads_ld = pid_h * H + lh
         q_off = (lc[:, None, None] * HD + heads_ld[None, :, None].to(gl.int64) * q_stride1
                  + ld[None, None, :])
-        q = gl.load(q_ptr + tok.to(gl.int64) * q_stride0 + q_off,
-                    mask=(heads_ld < num_heads)[None, :, None], other=0.0)
-        q = gl.convert_layout(q, DOT_A)
+        q_tok = q_ptr + tok.to(gl.int64) * q_stride0
+        hq = (heads_ld < num_heads)[None, :, None]
+        if QK_SLICES == 1:
+            q = gl.convert_layout(gl.load(q_tok + q_off, mask=hq, other=0.0), DOT_A)
+        else:
+            # Q.K^T as QK_SLICES dots over slices of each half's dims: independent mma
+            # chains (each n8 score tile is otherwise one chain of 16 dependent HMMAs).
+            q0 = _q_slice(q_tok, pid_h, q_stride1, num_heads, 0, QK_SLICES, DOT_A)
+            q1 = _q_slice(q_tok, pid_h, q_stride1, num_heads, 1, QK_SLICES, DOT_A)
+            if QK_SLICES == 4:
+                q2 = _q_slice(q_tok, pid_h, q_stride1, num_heads, 2, QK_SLICES, DOT_A)
+                q3 = _q_slice(q_tok, pid_h, q_stride1, num_heads, 3, QK_SLICES, DOT_A)
 
         # Key tiles [stage][half, key, dim]; row j of the token is ws[base + j].
         kbuf = gl.allocate_shared_memory(gl.bfloat16, [2, 2, N, HD], SMEM)
@@ -133,8 +142,18 @@ if AVAILABLE:
             async_copy.wait_group(1)
             gl.thread_barrier()  # every thread's copies of this tile have landed
             kt = kbuf.index(it % 2)
-            s3 = mma_v2(q, kt.permute([0, 2, 1]).load(DOT_B),
-                        gl.zeros([2, H, N], gl.float32, MMA))
+            kq = kt.permute([0, 2, 1])  # [2, HD, N]
+            z = gl.zeros([2, H, N], gl.float32, MMA)
+            if QK_SLICES == 1:
+                s3 = mma_v2(q, kq.load(DOT_B), z)
+            else:
+                W: gl.constexpr = HD // QK_SLICES
+                s3 = mma_v2(q0, kq.slice(0, W, dim=1).load(DOT_B), z)
+                s3b = mma_v2(q1, kq.slice(W, W, dim=1).load(DOT_B), z)
+                if QK_SLICES == 4:
+                    s3 = s3 + mma_v2(q2, kq.slice(2 * W, W, dim=1).load(DOT_B), z)
+                    s3b = s3b + mma_v2(q3, kq.slice(3 * W, W, dim=1).load(DOT_B), z)
+                s3 = s3 + s3b
             s = gl.sum(s3, axis=0) * qk_scale
             live = (k0 + vn) < hi
             valid = gl.load(valid_ptr + base + k0 + vn, mask=live, other=0) != 0
@@ -184,6 +203,20 @@ if AVAILABLE:
                      o.to(gl.bfloat16), mask=hmask3)
 
     @gluon.jit
+    def _q_slice(q_tok, pid_h, q_stride1, num_heads, j: gl.constexpr, SLICES: gl.constexpr,
+                 DOT_A: gl.constexpr):
+        """Q [2, 64, 256 / SLICES] as the Q.K^T mma's A operand: slice ``j`` of each half."""
+        W: gl.constexpr = 256 // SLICES
+        TD: gl.constexpr = W // 8 if W < 256 else 32
+        L: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // TD, TD], [2, 4, 1], [2, 1, 0])
+        c = gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        h = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(0, gl.SliceLayout(2, L)))
+        d = j * W + gl.arange(0, W, gl.SliceLayout(0, gl.SliceLayout(1, L)))
+        off = c[:, None, None] * 256 + h[None, :, None].to(gl.int64) * q_stride1 + d[None, None, :]
+        q = gl.load(q_tok + off, mask=(h < num_heads)[None, :, None], other=0.0)
+        return gl.convert_layout(q, DOT_A)
+
+    @gluon.jit
     def _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok):
         """The decode kernel's inverse GPT-J RoPE (kernels/sparse_mla_decode.py
         ``_inv_rope_gptj``) on the [2, 64, 256] fp32 output halves: pair k of dims 448..511
@@ -212,17 +245,17 @@ SIGNATURE = {
     "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "pos_ptr": "*i64", "cs_ptr": "*fp32",
     **{k: "i32" for k in ("q_stride0", "q_stride1", "out_stride0", "out_stride1", "cs_stride")},
     "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32",
-    **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE")},
+    **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE", "QK_SLICES")},
 }
 
 
 def attend_rows_h64(grid, q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l,
                     part_acc, pos, cs, cs_stride, qk_scale, heads, num_splits, *, has_extra,
-                    has_sink, split, inv_rope):
+                    has_sink, split, inv_rope, qk_slices=1):
     """Launch the kernel (arguments as the Triton phase 2's; the caller validated them)."""
     _attend_rows_h64_kernel[grid](
         q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l, part_acc, pos, cs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs_stride,
         qk_scale, heads, num_splits,
         HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope,
-        num_warps=NUM_WARPS)
+        QK_SLICES=qk_slices, num_warps=NUM_WARPS)

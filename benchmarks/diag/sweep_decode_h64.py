@@ -1,0 +1,91 @@
+"""H200 sweep of the two-phase decode's 64-head Gluon phase 2 (Tile.h64) against the Triton
+phase 2: Q.K^T slices (kernels/sparse_mla_decode_h64.py ``QK_SLICES``) x split counts.
+
+Each row times the whole decode (both phases) of one setting, captured in a CUDA graph and
+replayed under ``triton.testing.do_bench`` (median, L2 flushed), over 4 input copies in turn,
+V4.1 shapes (top-k 512 + window 128, sink) at 64 heads. Prints a table; ``--out`` writes JSON.
+
+    PYTHONPATH=overlay:benchmarks python benchmarks/diag/sweep_decode_h64.py --out F.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from suites.sparse_mla_decode import WINDOW, TOPK, make_inputs, ours  # noqa: E402
+from vllm.deepinfer.kernels import sparse_mla_decode as smd  # noqa: E402
+from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64  # noqa: E402
+
+
+def _graph(fn):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def time_setting(inputs, row, splits, slices) -> float:
+    orig = h64.attend_rows_h64
+    h64.attend_rows_h64 = functools.partial(orig, qk_slices=slices)
+    try:
+        outs = [torch.empty_like(x["q"]) for x in inputs]
+        graphs = [_graph(lambda x=x, o=o: ours(x, row, out=o, num_kv_splits=splits))
+                  for x, o in zip(inputs, outs)]
+    finally:
+        h64.attend_rows_h64 = orig
+    state = {"i": 0}
+
+    def step():
+        graphs[state["i"] % len(graphs)].replay()
+        state["i"] += 1
+    return triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128])
+    ap.add_argument("--heads", type=int, default=64)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = []
+    for t in args.tokens:
+        inputs = [make_inputs(dev, t, args.heads, TOPK, WINDOW, seed=s) for s in range(4)]
+        _, auto_tri = smd.launch_plan(t, args.heads, float(TOPK + WINDOW), smd.TILES["sm80-2p"],
+                                      sms)
+        _, auto_h64 = smd.launch_plan(t, args.heads, float(TOPK + WINDOW),
+                                      smd.TILES["sm80-2p-h64"], sms)
+        settings = [("sm80-2p", auto_tri, 1)]
+        for sp in sorted({1, 2, 4, auto_h64}):
+            for sl in (1, 2, 4):
+                settings.append(("sm80-2p-h64", sp, sl))
+        for row, sp, sl in settings:
+            us = time_setting(inputs, row, sp, sl)
+            r = dict(tokens=t, heads=args.heads, row=row, splits=sp, qk_slices=sl, us=us,
+                     auto=sp == (auto_tri if row == "sm80-2p" else auto_h64))
+            rows.append(r)
+            print(f"{t:5d} {row:12s} splits={sp} slices={sl} {us:9.1f} us"
+                  f"{'  (auto)' if r['auto'] else ''}", flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    if args.out:
+        meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                    triton=triton.__version__, commit=os.environ.get("DEEPINFER_COMMIT", "?"),
+                    shapes=dict(topk=TOPK, window=WINDOW, heads=args.heads), sms=sms)
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
