@@ -567,6 +567,8 @@ def compile_code(spec, cc: int, ints: dict | None = None, use_cache: bool = True
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         sig, constexprs, attrs = runtime_attrs(spec, ints)
+        if getattr(spec.kernel, "is_gluon", lambda: False)():  # a Gluon kernel
+            from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
         compiled = triton.compile(ASTSource(spec.kernel, sig, constexprs, attrs),
                                   target=GPUTarget("cuda", cc, 32),
                                   options={"num_warps": spec.num_warps,
@@ -773,18 +775,24 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     block_h, splits = smd.launch_plan(tokens, heads, float(keys), tile, sms)
     split = splits > 1
     swa_page, comp_page = 32, 64
-    spec = dataclasses.replace(
-        _spec(f"sparse_mla_decode.{'partial' if split else 'direct'}[{tv}]", INV_ROPE=False,
-              MAIN_BS=swa_page, EXTRA_BS=comp_page, BLOCK_H=block_h, BLOCK_N=tile.block_n,
-              QK_HALVES=tile.predequant and tile.qk_halves),
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    gluon_h64 = smd.uses_h64(tile, heads)
+    if gluon_h64:  # phase 2 as the 64-head Gluon kernel (its gate spec, INV_ROPE off)
+        tile = smd.phase2_tile(tile, heads)
+        spec = _spec(f"sparse_mla_decode.h64.{'partial' if split else 'direct'}[sm80-2p]",
+                     INV_ROPE=False)
+    else:
+        spec = dataclasses.replace(
+            _spec(f"sparse_mla_decode.{'partial' if split else 'direct'}[{tv}]", INV_ROPE=False,
+                  MAIN_BS=swa_page, EXTRA_BS=comp_page, BLOCK_H=block_h, BLOCK_N=tile.block_n,
+                  QK_HALVES=tile.predequant and tile.qk_halves),
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
     ints = dict(q_stride0=heads * HEAD_DIM, q_stride1=HEAD_DIM, out_stride0=heads * HEAD_DIM,
                 out_stride1=HEAD_DIM, main_stride0=swa_page * RECORD_BYTES,
                 extra_stride0=comp_page * RECORD_BYTES,
                 main_rows=-(-tokens * window // swa_page) * swa_page,
                 extra_rows=-(-tokens * 2 * topk // comp_page) * comp_page, cs_stride=0,
                 num_heads=heads, num_splits=splits)
-    code = code_for(spec, cc, ints)
+    code = code_for(spec, cc, {k: v for k, v in ints.items() if k in spec.signature})
     head_tiles = math.ceil(heads / block_h)
     span = math.ceil(math.ceil(keys / splits) / tile.block_n) * tile.block_n
     trips = math.ceil(min(span, keys) / tile.block_n)
@@ -792,7 +800,9 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     traffic = None
     if tile.predequant:
         # Phase 1: each token's keys dequantized once into bf16 rows (+1 validity byte).
-        pspec = _spec(f"sparse_mla_decode.predequant[{tv}]", MAIN_BS=swa_page,
+        # Rows derived from sm80-2p ("sm80-2p-h64", a sweep's) share its registered phase 1.
+        pv = "sm80-2p" if tv.startswith("sm80-2p") else tv
+        pspec = _spec(f"sparse_mla_decode.predequant[{pv}]", MAIN_BS=swa_page,
                       EXTRA_BS=comp_page, DECODE=smd.PREDEQUANT_DECODES[tile.predequant_decode])
         pcode = code_for(pspec, cc, {k: ints[k] for k in ("main_stride0", "extra_stride0",
                                                            "main_rows", "extra_rows")})

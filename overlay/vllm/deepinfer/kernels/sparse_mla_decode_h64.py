@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - exercised only with an older Triton
     gluon = gl = async_copy = mma_v2 = None
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "NUM_WARPS", "MIN_HEADS", "SIGNATURE",
+__all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "NUM_WARPS", "MIN_HEADS", "QK_SLICES", "SIGNATURE",
            "attend_rows_h64"]
 
 # Heads per program: 4 warps x 16 rows of m16n8k16, times 2 warps across the dim halves.
@@ -48,6 +48,11 @@ BLOCK_H = 64
 # would need 72 KiB. 255 registers, no local memory (compile gate).
 BLOCK_N = 16
 NUM_WARPS = 8
+# Q.K^T as this many dots over slices of each half's dims (more independent mma chains).
+# 1: the H200 sweep (benchmarks/results/h200-2026-12-01-decode-h64-sweep-5535209.json, 64
+# heads, top-k 512 + window 128, both phases) timed 2 and 4 slices 1-5% slower than 1 at
+# 16, 64 and 128 tokens with the chosen splits (64 tokens: 84.1 / 87.5 / 88.4 us).
+QK_SLICES = 1
 # Fewer heads than this leave most of the 64-row tile empty: such launches keep the Triton
 # phase 2 (16 heads per program).
 MIN_HEADS = 64
@@ -60,7 +65,7 @@ if AVAILABLE:
         q_stride0, q_stride1, out_stride0, out_stride1, cs_stride,
         qk_scale, num_heads, num_splits,
         HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        INV_ROPE: gl.constexpr, QK_SLICES: gl.constexpr = 1,
+        INV_ROPE: gl.constexpr, QK_SLICES: gl.constexpr,
     ):
         """Grid (cdiv(heads, 64), splits, tokens). ``qk_scale`` = softmax scale * log2(e)."""
         H: gl.constexpr = 64
@@ -251,7 +256,7 @@ SIGNATURE = {
 
 def attend_rows_h64(grid, q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l,
                     part_acc, pos, cs, cs_stride, qk_scale, heads, num_splits, *, has_extra,
-                    has_sink, split, inv_rope, qk_slices=1):
+                    has_sink, split, inv_rope, qk_slices=QK_SLICES):
     """Launch the kernel (arguments as the Triton phase 2's; the caller validated them)."""
     _attend_rows_h64_kernel[grid](
         q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l, part_acc, pos, cs,
