@@ -14,8 +14,8 @@ import dataclasses
 import pytest
 import torch
 
-from edges import INT32_MAX, INT32_MIN, ODD_PAGES
 from test_sparse_mla_decode import TOL_ABS, TOL_REL, D, assert_close, run_both, setup
+from test_sparse_mla_decode_predequant import odd_pages_extreme_slots_nan
 from vllm.deepinfer import arch
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
 from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64
@@ -142,17 +142,8 @@ def test_swa_only_empty_rows_and_strided_q(splits):
 
 @gpu
 def test_odd_pages_extreme_slots_nan_and_all_invalid_rows():
-    q, mc, mi, mp, sink, ex = setup("cuda", 13, heads=64, main_lens=[9, 26, 0, 12],
-                                    extra_lens=[31, 4, 0, 20], main_bs=ODD_PAGES[0],
-                                    extra_bs=ODD_PAGES[1], main_blocks=3, extra_blocks=2,
-                                    invalid=0.35, page_pad=40)
-    for lst in (mi, ex["extra_indices"]):
-        lst[2], lst[5] = INT32_MIN, INT32_MAX
-    # An e4m3 NaN byte in a valid key: phase 1 scrubs it to 0, as every decode path does.
-    raw = mc.as_strided((mc.shape[0], mc.shape[1] * 584), (mc.stride(0), 1))
-    slot = next(int(s) for s in mi.tolist() if 0 <= s < mc.shape[0] * mc.shape[1])
-    b, i = divmod(slot, mc.shape[1])
-    raw[b, i * 576 + 7] = 0x7F
+    q, mc, mi, mp, sink, ex = odd_pages_extreme_slots_nan("cuda", [9, 26, 0, 12],
+                                                          [31, 4, 0, 20], heads=64)
     for splits in (1, 2):
         got, ref = run_both(q, mc, mi, mp, sink, ex, variant=ROW, splits=splits, device="cuda")
         tri, _ = run_both(q, mc, mi, mp, sink, ex, variant=TRITON_ROW, splits=splits,

@@ -84,17 +84,24 @@ def test_swa_only_and_topk_only(device, splits):
     check_pair(*_pair(device, 2, main_lens=[0, 0, 0], extra_lens=[50, 7, 33], splits=splits))
 
 
-def test_odd_pages_extreme_slots_nan_and_empty_rows(device):
-    q, mc, mi, mp, sink, ex = setup(device, 13, main_lens=[9, 26, 0], extra_lens=[31, 4, 0],
+def odd_pages_extreme_slots_nan(device, main_lens, extra_lens, **kw):
+    """A setup with odd page sizes, padded page strides, 35% invalid slots, INT32_MIN and
+    INT32_MAX slots in both lists and an e4m3 NaN byte in a valid key (phase 1 scrubs it to 0,
+    as the one-phase path does)."""
+    q, mc, mi, mp, sink, ex = setup(device, 13, main_lens=main_lens, extra_lens=extra_lens,
                                     main_bs=ODD_PAGES[0], extra_bs=ODD_PAGES[1], main_blocks=3,
-                                    extra_blocks=2, invalid=0.35, page_pad=40)
+                                    extra_blocks=2, invalid=0.35, page_pad=40, **kw)
     for lst in (mi, ex["extra_indices"]):
         lst[2], lst[5] = INT32_MIN, INT32_MAX
-    # An e4m3 NaN byte in a valid key: scrubbed to 0 in phase 1, as the one-phase path does.
     raw = mc.as_strided((mc.shape[0], mc.shape[1] * 584), (mc.stride(0), 1))
     slot = next(int(s) for s in mi.tolist() if 0 <= s < mc.shape[0] * mc.shape[1])
     b, i = divmod(slot, mc.shape[1])
     raw[b, i * 576 + 7] = 0x7F
+    return q, mc, mi, mp, sink, ex
+
+
+def test_odd_pages_extreme_slots_nan_and_empty_rows(device):
+    q, mc, mi, mp, sink, ex = odd_pages_extreme_slots_nan(device, [9, 26, 0], [31, 4, 0])
     for splits in (1, 2):
         two, ref = run_both(q, mc, mi, mp, sink, ex, variant="sm80-2p", splits=splits,
                             device=device)

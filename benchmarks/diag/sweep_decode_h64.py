@@ -19,18 +19,9 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from suites.sparse_mla_decode import WINDOW, TOPK, make_inputs, ours  # noqa: E402
+from suites.sparse_mla_decode import TOPK, WINDOW, _graph, make_inputs, ours  # noqa: E402
 from vllm.deepinfer.kernels import sparse_mla_decode as smd  # noqa: E402
 from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64  # noqa: E402
-
-
-def _graph(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
 
 
 def time_setting(inputs, row, splits, slices) -> float:
