@@ -768,6 +768,7 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     heuristic for ``sms`` SMs."""
     _overlay_on_path()
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
+    from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64
     from vllm.deepinfer.kv_record import HEAD_DIM, RECORD_BYTES
     tv = kernel_variant or variant
     tile = smd.TILES[tv]
@@ -778,8 +779,9 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     gluon_h64 = smd.uses_h64(tile, heads)
     if gluon_h64:  # phase 2 as the 64-head Gluon kernel (its gate spec, INV_ROPE off)
         tile = smd.phase2_tile(tile, heads)
-        spec = _spec(f"sparse_mla_decode.h64.{'partial' if split else 'direct'}[sm80-2p]",
-                     INV_ROPE=False)
+        spec = dataclasses.replace(
+            _spec(f"sparse_mla_decode.h64.{'partial' if split else 'direct'}[sm80-2p]",
+                  INV_ROPE=False, DSPLIT=h64.DSPLIT), num_warps=h64.NUM_WARPS)
     else:
         spec = dataclasses.replace(
             _spec(f"sparse_mla_decode.{'partial' if split else 'direct'}[{tv}]", INV_ROPE=False,

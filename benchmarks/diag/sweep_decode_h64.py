@@ -1,5 +1,6 @@
 """H200 sweep of the two-phase decode's 64-head Gluon phase 2 (Tile.h64) against the Triton
-phase 2: Q.K^T slices (kernels/sparse_mla_decode_h64.py ``QK_SLICES``) x split counts.
+phase 2: warps per head group (kernels/sparse_mla_decode_h64.py ``DSPLIT``: 2 = 8 warps, 4 = 16
+warps) x split counts. (At 5535209 the same script swept Q.K^T dim slices, since removed.)
 
 Each row times the whole decode (both phases) of one setting, captured in a CUDA graph and
 replayed under ``triton.testing.do_bench`` (median, L2 flushed), over 4 input copies in turn,
@@ -24,9 +25,9 @@ from vllm.deepinfer.kernels import sparse_mla_decode as smd  # noqa: E402
 from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64  # noqa: E402
 
 
-def time_setting(inputs, row, splits, slices) -> float:
+def time_setting(inputs, row, splits, dsplit) -> float:
     orig = h64.attend_rows_h64
-    h64.attend_rows_h64 = functools.partial(orig, qk_slices=slices)
+    h64.attend_rows_h64 = functools.partial(orig, dsplit=dsplit)
     try:
         outs = [torch.empty_like(x["q"]) for x in inputs]
         graphs = [_graph(lambda x=x, o=o: ours(x, row, out=o, num_kv_splits=splits))
@@ -56,16 +57,16 @@ def main(argv=None) -> int:
                                       sms)
         _, auto_h64 = smd.launch_plan(t, args.heads, float(TOPK + WINDOW),
                                       smd.TILES["sm80-2p-h64"], sms)
-        settings = [("sm80-2p", auto_tri, 1)]
+        settings = [("sm80-2p", auto_tri, None)]
         for sp in sorted({1, 2, 4, auto_h64}):
-            for sl in (1, 2, 4):
-                settings.append(("sm80-2p-h64", sp, sl))
-        for row, sp, sl in settings:
-            us = time_setting(inputs, row, sp, sl)
-            r = dict(tokens=t, heads=args.heads, row=row, splits=sp, qk_slices=sl, us=us,
+            for ds in (2, 4):
+                settings.append(("sm80-2p-h64", sp, ds))
+        for row, sp, ds in settings:
+            us = time_setting(inputs, row, sp, ds)
+            r = dict(tokens=t, heads=args.heads, row=row, splits=sp, dsplit=ds, us=us,
                      auto=sp == (auto_tri if row == "sm80-2p" else auto_h64))
             rows.append(r)
-            print(f"{t:5d} {row:12s} splits={sp} slices={sl} {us:9.1f} us"
+            print(f"{t:5d} {row:12s} splits={sp} dsplit={ds} {us:9.1f} us"
                   f"{'  (auto)' if r['auto'] else ''}", flush=True)
         del inputs
         torch.cuda.empty_cache()

@@ -907,7 +907,7 @@ def _register() -> None:
                 name=f"sparse_mla_decode.h64.{'partial' if split else 'direct'}[sm80-2p]",
                 kernel=h64._attend_rows_h64_kernel, signature=h64.SIGNATURE,
                 constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split, INV_ROPE=not split,
-                                QK_SLICES=h64.QK_SLICES),
+                                DSPLIT=h64.DSPLIT),
                 variants=("sm80",), num_warps=h64.NUM_WARPS, num_stages=1, feature=FEATURE,
                 aligned_pointers=True))
 

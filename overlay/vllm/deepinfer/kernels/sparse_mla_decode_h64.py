@@ -38,21 +38,25 @@ except ImportError:  # pragma: no cover - exercised only with an older Triton
     gluon = gl = async_copy = mma_v2 = None
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "NUM_WARPS", "MIN_HEADS", "QK_SLICES", "SIGNATURE",
+__all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "DSPLIT", "NUM_WARPS", "MIN_HEADS", "SIGNATURE",
            "attend_rows_h64"]
 
-# Heads per program: 4 warps x 16 rows of m16n8k16, times 2 warps across the dim halves.
+# Heads per program: 4 warps x 16 rows of m16n8k16, times DSPLIT warps across the dims.
 BLOCK_H = 64
+# Warps per head group, each owning 512 / DSPLIT dims of Q and of the output (4 * DSPLIT
+# warps). 2: 8 warps, 64 + 128 registers of Q and output per thread (about 253 in all).
+# 4: 16 warps, half of that per thread (<= 128: one CTA per SM either way), twice the warps
+# to hide the loop's latency, and a 4-way cross-warp score sum.
+DSPLIT = 2
 # Keys per tile: two stages of [16 keys, 512] bf16 (32 KiB) plus the cross-warp score sum's
-# scratch ([2, 64, 16] fp32, 8 KiB) make 40 KiB on sm_80, inside the 48 KiB budget; 32 keys
-# would need 72 KiB. 255 registers, no local memory (compile gate).
+# scratch ([DSPLIT, 64, 16] fp32: 8 KiB at DSPLIT 2) make 40 KiB on sm_80, inside the
+# 48 KiB budget; 32 keys would need 72 KiB.
 BLOCK_N = 16
-NUM_WARPS = 8
-# Q.K^T as this many dots over slices of each half's dims (more independent mma chains).
-# 1: the H200 sweep (benchmarks/results/h200-2026-12-01-decode-h64-sweep-5535209.json, 64
-# heads, top-k 512 + window 128, both phases) timed 2 and 4 slices 1-5% slower than 1 at
-# 16, 64 and 128 tokens with the chosen splits (64 tokens: 84.1 / 87.5 / 88.4 us).
-QK_SLICES = 1
+NUM_WARPS = 4 * DSPLIT
+# Q.K^T as 2 or 4 dots over slices of each half's dims (more independent mma chains) was
+# timed by the H200 sweep at 5535209 (benchmarks/results/h200-2026-12-01-decode-h64-sweep-
+# 5535209.json, 64 heads, top-k 512 + window 128, both phases): 1-5% slower than one dot at
+# 16, 64 and 128 tokens with the chosen splits (64 tokens: 84.1 / 87.5 / 88.4 us); removed.
 # Fewer heads than this leave most of the 64-row tile empty: such launches keep the Triton
 # phase 2 (16 heads per program).
 MIN_HEADS = 64
@@ -65,21 +69,25 @@ if AVAILABLE:
         q_stride0, q_stride1, out_stride0, out_stride1, cs_stride,
         qk_scale, num_heads, num_splits,
         HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        INV_ROPE: gl.constexpr, QK_SLICES: gl.constexpr,
+        INV_ROPE: gl.constexpr, DSPLIT: gl.constexpr,
     ):
-        """Grid (cdiv(heads, 64), splits, tokens). ``qk_scale`` = softmax scale * log2(e)."""
+        """Grid (cdiv(heads, 64), splits, tokens), 4 * DSPLIT warps. ``qk_scale`` = softmax
+        scale * log2(e)."""
         H: gl.constexpr = 64
         N: gl.constexpr = 16
-        HD: gl.constexpr = 256  # dims per half
         D: gl.constexpr = 512
+        HD: gl.constexpr = D // DSPLIT  # dims per slice
         NEG: gl.constexpr = -3.4028234663852886e38  # the decode kernels' NEG_LARGE
         L2E: gl.constexpr = 1.4426950408889634
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 4, 1],
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0],
+                                                      warps_per_cta=[DSPLIT, 4, 1],
                                                       instr_shape=[1, 16, 8])
         DOT_A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
         DOT_B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
         # Global loads: 8 bf16 (16 B) per thread along the dims.
-        LD: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [2, 4, 1], [2, 1, 0])
+        TD: gl.constexpr = HD // 8 if HD < 256 else 32
+        LD: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // TD, TD], [DSPLIT, 4, 1],
+                                            [2, 1, 0])
         SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
         S2: gl.constexpr = gl.SliceLayout(0, MMA)       # [H, N] summed scores
         ROW: gl.constexpr = gl.SliceLayout(1, S2)       # [H]
@@ -102,28 +110,19 @@ if AVAILABLE:
         hi = gl.minimum(lo + span, total)
         base = (main_start + extra_start).to(gl.int64)  # this token's first workspace row
 
-        # Q [2, H, HD]: half c of head h is q[tok, h, 256 c : 256 c + 256].
-        lc = gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, LD)))
+        # Q [DSPLIT, H, HD]: slice c of head h is q[tok, h, HD c : HD c + HD].
+        lc = gl.arange(0, DSPLIT, gl.SliceLayout(1, gl.SliceLayout(2, LD)))
         lh = gl.arange(0, H, gl.SliceLayout(0, gl.SliceLayout(2, LD)))
         ld = gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, LD)))
         heads_ld = pid_h * H + lh
         q_off = (lc[:, None, None] * HD + heads_ld[None, :, None].to(gl.int64) * q_stride1
                  + ld[None, None, :])
-        q_tok = q_ptr + tok.to(gl.int64) * q_stride0
-        hq = (heads_ld < num_heads)[None, :, None]
-        if QK_SLICES == 1:
-            q = gl.convert_layout(gl.load(q_tok + q_off, mask=hq, other=0.0), DOT_A)
-        else:
-            # Q.K^T as QK_SLICES dots over slices of each half's dims: independent mma
-            # chains (each n8 score tile is otherwise one chain of 16 dependent HMMAs).
-            q0 = _q_slice(q_tok, pid_h, q_stride1, num_heads, 0, QK_SLICES, DOT_A)
-            q1 = _q_slice(q_tok, pid_h, q_stride1, num_heads, 1, QK_SLICES, DOT_A)
-            if QK_SLICES == 4:
-                q2 = _q_slice(q_tok, pid_h, q_stride1, num_heads, 2, QK_SLICES, DOT_A)
-                q3 = _q_slice(q_tok, pid_h, q_stride1, num_heads, 3, QK_SLICES, DOT_A)
+        q = gl.load(q_ptr + tok.to(gl.int64) * q_stride0 + q_off,
+                    mask=(heads_ld < num_heads)[None, :, None], other=0.0)
+        q = gl.convert_layout(q, DOT_A)
 
-        # Key tiles [stage][half, key, dim]; row j of the token is ws[base + j].
-        kbuf = gl.allocate_shared_memory(gl.bfloat16, [2, 2, N, HD], SMEM)
+        # Key tiles [stage][slice, key, dim]; row j of the token is ws[base + j].
+        kbuf = gl.allocate_shared_memory(gl.bfloat16, [2, DSPLIT, N, HD], SMEM)
         ln = gl.arange(0, N, gl.SliceLayout(0, gl.SliceLayout(2, LD)))
         k_off = lc[:, None, None] * HD + ln[None, :, None].to(gl.int64) * D + ld[None, None, :]
         rows = ws_ptr + base * D
@@ -134,7 +133,7 @@ if AVAILABLE:
         vn = gl.arange(0, N, COL)
         m_i = gl.full([H], NEG, gl.float32, ROW)
         l_i = gl.zeros([H], gl.float32, ROW)
-        acc = gl.zeros([2, H, HD], gl.float32, MMA)
+        acc = gl.zeros([DSPLIT, H, HD], gl.float32, MMA)
         it = 0
         for k0 in range(lo, hi, N):
             nxt = k0 + N
@@ -147,18 +146,8 @@ if AVAILABLE:
             async_copy.wait_group(1)
             gl.thread_barrier()  # every thread's copies of this tile have landed
             kt = kbuf.index(it % 2)
-            kq = kt.permute([0, 2, 1])  # [2, HD, N]
-            z = gl.zeros([2, H, N], gl.float32, MMA)
-            if QK_SLICES == 1:
-                s3 = mma_v2(q, kq.load(DOT_B), z)
-            else:
-                W: gl.constexpr = HD // QK_SLICES
-                s3 = mma_v2(q0, kq.slice(0, W, dim=1).load(DOT_B), z)
-                s3b = mma_v2(q1, kq.slice(W, W, dim=1).load(DOT_B), z)
-                if QK_SLICES == 4:
-                    s3 = s3 + mma_v2(q2, kq.slice(2 * W, W, dim=1).load(DOT_B), z)
-                    s3b = s3b + mma_v2(q3, kq.slice(3 * W, W, dim=1).load(DOT_B), z)
-                s3 = s3 + s3b
+            s3 = mma_v2(q, kt.permute([0, 2, 1]).load(DOT_B),
+                        gl.zeros([DSPLIT, H, N], gl.float32, MMA))
             s = gl.sum(s3, axis=0) * qk_scale
             live = (k0 + vn) < hi
             valid = gl.load(valid_ptr + base + k0 + vn, mask=live, other=0) != 0
@@ -169,14 +158,14 @@ if AVAILABLE:
             p = gl.where(valid[None, :], p, 0.0)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             m_i = m_new
-            p3 = gl.zeros([2, H, N], gl.bfloat16, MMA) + gl.expand_dims(p.to(gl.bfloat16), 0)
+            p3 = gl.zeros([DSPLIT, H, N], gl.bfloat16, MMA) + gl.expand_dims(p.to(gl.bfloat16), 0)
             alpha3 = gl.expand_dims(gl.expand_dims(alpha, 1), 0)
             acc = mma_v2(gl.convert_layout(p3, DOT_A), kt.load(DOT_B), acc * alpha3)
             gl.thread_barrier()  # every warp is done with this stage before it is refilled
             it += 1
         async_copy.wait_group(0)
 
-        oc = gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+        oc = gl.arange(0, DSPLIT, gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
         oh = gl.arange(0, H, gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
         od = gl.arange(0, HD, gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
         heads = pid_h * H + oh
@@ -185,7 +174,7 @@ if AVAILABLE:
         if SPLIT:
             hr = pid_h * H + gl.arange(0, H, ROW)
             ml = (tok * num_splits + split) * num_heads + hr
-            # Both dim-half warps hold m and l: the stores write equal values.
+            # Every dim-slice warp holds m and l: the stores write equal values.
             gl.store(part_m_ptr + ml, m_i, mask=hr < num_heads)
             gl.store(part_l_ptr + ml, l_i, mask=hr < num_heads)
             ml3 = ((tok * num_splits + split) * num_heads + heads).to(gl.int64)
@@ -202,43 +191,32 @@ if AVAILABLE:
             inv_l = gl.where(l_i > 0.0, 1.0 / gl.maximum(l_i, 1e-30), 0.0)
             o = acc * gl.expand_dims(gl.expand_dims(inv_l, 1), 0)
             if INV_ROPE:
-                o = _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok)
+                o = _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT)
             gl.store(out_ptr + tok.to(gl.int64) * out_stride0
                      + heads[None, :, None].to(gl.int64) * out_stride1 + cols,
                      o.to(gl.bfloat16), mask=hmask3)
 
     @gluon.jit
-    def _q_slice(q_tok, pid_h, q_stride1, num_heads, j: gl.constexpr, SLICES: gl.constexpr,
-                 DOT_A: gl.constexpr):
-        """Q [2, 64, 256 / SLICES] as the Q.K^T mma's A operand: slice ``j`` of each half."""
-        W: gl.constexpr = 256 // SLICES
-        TD: gl.constexpr = W // 8 if W < 256 else 32
-        L: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // TD, TD], [2, 4, 1], [2, 1, 0])
-        c = gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, L)))
-        h = pid_h * 64 + gl.arange(0, 64, gl.SliceLayout(0, gl.SliceLayout(2, L)))
-        d = j * W + gl.arange(0, W, gl.SliceLayout(0, gl.SliceLayout(1, L)))
-        off = c[:, None, None] * 256 + h[None, :, None].to(gl.int64) * q_stride1 + d[None, None, :]
-        q = gl.load(q_tok + off, mask=(h < num_heads)[None, :, None], other=0.0)
-        return gl.convert_layout(q, DOT_A)
-
-    @gluon.jit
-    def _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok):
+    def _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT: gl.constexpr):
         """The decode kernel's inverse GPT-J RoPE (kernels/sparse_mla_decode.py
-        ``_inv_rope_gptj``) on the [2, 64, 256] fp32 output halves: pair k of dims 448..511
-        is pair 96 + k of half 1. Each thread holds both columns of a pair (mma.sync
-        accumulators hold column pairs), so the split and join stay in registers."""
+        ``_inv_rope_gptj``) on the [DSPLIT, 64, 512 / DSPLIT] fp32 output slices: pair
+        c * HD / 2 + p of the 256 is RoPE pair k = that - 224 when k >= 0. Each thread holds
+        both columns of a pair (mma.sync accumulators hold column pairs), so the split and join
+        stay in registers."""
         OL: gl.constexpr = o.type.layout
-        even, odd = gl.split(gl.reshape(o, [2, 64, 128, 2]))
+        HP: gl.constexpr = 256 // DSPLIT  # pairs per slice
+        even, odd = gl.split(gl.reshape(o, [DSPLIT, 64, HP, 2]))
         PL: gl.constexpr = even.type.layout
-        pc = gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, PL)))
-        pk = gl.arange(0, 128, gl.SliceLayout(0, gl.SliceLayout(1, PL)))
-        k = pk[None, None, :] - 96
-        is_rope = (pc[:, None, None] == 1) & (k >= 0)
+        pc = gl.arange(0, DSPLIT, gl.SliceLayout(1, gl.SliceLayout(2, PL)))
+        pk = gl.arange(0, HP, gl.SliceLayout(0, gl.SliceLayout(1, PL)))
+        k = pc[:, None, None] * HP + pk[None, None, :] - 224
+        is_rope = k >= 0
         k = gl.maximum(k, 0)
         row = cs_ptr + gl.load(pos_ptr + tok).to(gl.int64) * cs_stride
         cos = gl.load(row + k, mask=is_rope, other=1.0).to(gl.float32)
         sin = gl.load(row + 32 + k, mask=is_rope, other=0.0).to(gl.float32)
-        o = gl.reshape(gl.join(even * cos + odd * sin, odd * cos - even * sin), [2, 64, 256])
+        o = gl.reshape(gl.join(even * cos + odd * sin, odd * cos - even * sin),
+                       [DSPLIT, 64, 512 // DSPLIT])
         return gl.convert_layout(o, OL)  # the same placement: no data moves
 else:  # pragma: no cover
     _attend_rows_h64_kernel = None
@@ -250,17 +228,17 @@ SIGNATURE = {
     "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "pos_ptr": "*i64", "cs_ptr": "*fp32",
     **{k: "i32" for k in ("q_stride0", "q_stride1", "out_stride0", "out_stride1", "cs_stride")},
     "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32",
-    **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE", "QK_SLICES")},
+    **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE", "DSPLIT")},
 }
 
 
 def attend_rows_h64(grid, q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l,
                     part_acc, pos, cs, cs_stride, qk_scale, heads, num_splits, *, has_extra,
-                    has_sink, split, inv_rope, qk_slices=QK_SLICES):
+                    has_sink, split, inv_rope, dsplit=None):
     """Launch the kernel (arguments as the Triton phase 2's; the caller validated them)."""
     _attend_rows_h64_kernel[grid](
         q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l, part_acc, pos, cs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs_stride,
         qk_scale, heads, num_splits,
         HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope,
-        QK_SLICES=qk_slices, num_warps=NUM_WARPS)
+        DSPLIT=dsplit or DSPLIT, num_warps=4 * (dsplit or DSPLIT))
