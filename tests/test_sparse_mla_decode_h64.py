@@ -1,6 +1,7 @@
-"""Phase 2 as the 64-head Gluon kernel (kernels/sparse_mla_decode_h64.py, ``Tile.h64``).
+"""Phase 2 as the Gluon kernel with 64 or 32 heads per program (kernels/sparse_mla_decode_h64.py,
+``Tile.gluon_heads``, rows sm80-2p-h64 and sm80-2p-h32).
 
-On CPU: its selection (heads, interpreter, rows) and its sm_80 / sm_86 builds (40 KiB of
+On CPU: its selection (heads, interpreter, rows) and its sm_80 / sm_86 builds (<= 40 KiB of
 shared memory, no local memory) — Gluon has no interpreter, so its numerics are tested on a
 GPU only: against the fp32 reference bound every decode variant meets, and within one bf16
 rounding of the Triton phase 2 of the same row, over split and unsplit launches, inverse
@@ -36,21 +37,33 @@ def near(got, tri, ref):
     assert (err <= TOL_ABS + TOL_REL * mag).all(), err.max()
 
 
-def test_selection():
-    t = smd.TILES[ROW]
-    assert dataclasses.replace(t, h64=False) == smd.TILES[TRITON_ROW]
-    assert not smd.uses_h64(smd.TILES[TRITON_ROW], 64)
-    assert not smd.uses_h64(t, h64.MIN_HEADS - 1)
+@pytest.mark.parametrize("g", [64, 32])
+def test_selection(g):
+    row = f"sm80-2p-h{g}"
+    t = smd.TILES[row]
+    assert dataclasses.replace(t, gluon_heads=0) == smd.TILES[TRITON_ROW]
+    assert not smd.uses_gluon(smd.TILES[TRITON_ROW], 64)
+    assert not smd.uses_gluon(t, g - 1)
     if h64.AVAILABLE and not arch.interpreting():
-        assert smd.uses_h64(t, h64.MIN_HEADS)
+        assert smd.uses_gluon(t, g)
         p = smd.phase2_tile(t, 128)
-        assert (p.block_h, p.block_n, p.num_warps, p.ctas_per_sm) == (64, 16, 8, 1)
-        # One CTA per SM: 64 tokens x 1 head tile split twice on 132 SMs, not on 108.
-        assert smd.launch_plan(64, 64, 640.0, t, 132) == (64, 2)
-        assert smd.launch_plan(64, 64, 640.0, t, 108) == (64, 1)
+        assert (p.block_h, p.block_n, p.num_warps) == (g, 16, g // 8)
+        assert p.ctas_per_sm == {64: 1, 32: 2}[g]
+    else:  # the interpreter runs the Triton phase 2
+        assert not smd.uses_gluon(t, 128)
     # Fewer heads: the Triton phase 2's plan.
     assert smd.launch_plan(8, 16, 640.0, t, 132) == smd.launch_plan(8, 16, 640.0,
                                                                     smd.TILES[TRITON_ROW], 132)
+
+
+@pytest.mark.skipif(not h64.AVAILABLE or arch.interpreting(), reason="Gluon on a GPU only")
+def test_launch_plan_counts_the_gluon_residency():
+    t64, t32 = smd.TILES["sm80-2p-h64"], smd.TILES["sm80-2p-h32"]
+    # 64 heads, 64 tokens: one CTA per SM at 64 heads (split twice on 132 SMs, not on 108),
+    # two at 32 heads (128 CTAs fill 108 x 2 slots unsplit).
+    assert smd.launch_plan(64, 64, 640.0, t64, 132) == (64, 2)
+    assert smd.launch_plan(64, 64, 640.0, t64, 108) == (64, 1)
+    assert smd.launch_plan(64, 64, 640.0, t32, 108) == (32, 1)
 
 
 _BUILD = """
@@ -59,7 +72,7 @@ import triton
 from vllm.deepinfer import compile_gate
 out = {}
 for s in compile_gate.specs():
-    if not s.name.startswith("sparse_mla_decode.h64."):
+    if not s.name.startswith("sparse_mla_decode.gluon"):
         continue
     for cc in s.targets:
         k = compile_gate.compile_spec(s, cc)
@@ -77,9 +90,10 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(not h64.AVAILABLE, reason="this Triton has no Gluon")
 def test_ampere_builds_fit():
-    """The compile gate's specs (direct and partial) for sm_80 and sm_86: within 48 KiB, 64
-    HMMAs per warp and key tile (32 for Q.K^T, 32 for P.V), no local memory (spills). Built
-    in a subprocess: TRITON_INTERPRET (set for the CPU suite) replaces jit functions."""
+    """The compile gate's specs (32 and 64 heads, direct and partial) for sm_80 and sm_86:
+    within 48 KiB, 64 HMMAs per warp and key tile (32 for Q.K^T, 32 for P.V), no local
+    memory (spills). Built in a subprocess: TRITON_INTERPRET (set for the CPU suite)
+    replaces jit functions."""
     import json
     import os
     import subprocess
@@ -92,22 +106,23 @@ def test_ampere_builds_fit():
                        timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert sorted(got) == [f"sparse_mla_decode.h64.{m}[sm80-2p]@{cc}"
-                           for m in ("direct", "partial") for cc in (80, 86)]
+    assert sorted(got) == sorted(f"sparse_mla_decode.gluon{g}.{m}[sm80-2p]@{cc}"
+                                 for g in (32, 64) for m in ("direct", "partial")
+                                 for cc in (80, 86))
     for name, f in got.items():
         assert f["shared"] <= 48 * 1024, (name, f)
         assert f["hmma"] == 64, (name, f)
         assert f["local"] == 0, (name, f)
 
 
-def _both(seed, *, heads, splits, inv_rope=False, q_pad=0, **kw):
+def _both(seed, *, heads, splits, inv_rope=False, q_pad=0, row=ROW, **kw):
     """(h64 output, Triton phase 2 output, reference) for one setup on the GPU."""
     q, mc, mi, mp, sink, ex = setup("cuda", seed, heads=heads, **kw)
     if q_pad:  # a Q whose head stride is not 512
         wide = torch.zeros(q.shape[0], heads, D + q_pad, dtype=q.dtype, device=q.device)
         wide[..., :D] = q
         q = wide[..., :D]
-    got, ref = run_both(q, mc, mi, mp, sink, ex, variant=ROW, splits=splits, inv_rope=inv_rope,
+    got, ref = run_both(q, mc, mi, mp, sink, ex, variant=row, splits=splits, inv_rope=inv_rope,
                         device="cuda")
     tri, _ = run_both(q, mc, mi, mp, sink, ex, variant=TRITON_ROW, splits=splits,
                       inv_rope=inv_rope, device="cuda")
@@ -115,37 +130,40 @@ def _both(seed, *, heads, splits, inv_rope=False, q_pad=0, **kw):
 
 
 @gpu
+@pytest.mark.parametrize("row", ["sm80-2p-h64", "sm80-2p-h32"])
 @pytest.mark.parametrize("heads", [64, 128, 96])
 @pytest.mark.parametrize("splits,inv_rope", [(1, False), (1, True), (3, True), (2, False)])
-def test_matches_reference_and_triton_phase2(heads, splits, inv_rope):
+def test_matches_reference_and_triton_phase2(row, heads, splits, inv_rope):
     # Invalid slots in both lists, tiles straddling the main/extra boundary, tokens of
-    # different key counts, 96 heads: a half-empty second head tile.
-    got, tri, ref = _both(3, heads=heads, splits=splits, inv_rope=inv_rope,
+    # different key counts, 96 heads: a half-empty last head tile at 64 heads per program.
+    got, tri, ref = _both(3, heads=heads, splits=splits, inv_rope=inv_rope, row=row,
                           main_lens=[21, 5, 40, 128], extra_lens=[30, 44, 9, 512], invalid=0.3,
                           extra_blocks=12)
-    assert smd.uses_h64(smd.TILES[ROW], heads)
+    assert smd.uses_gluon(smd.TILES[row], heads)
     assert_close(got, ref)
     near(got, tri, ref)
     assert not torch.equal(got, torch.zeros_like(got))
 
 
 @gpu
+@pytest.mark.parametrize("row", ["sm80-2p-h64", "sm80-2p-h32"])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_swa_only_empty_rows_and_strided_q(splits):
-    # A token with no keys and one whose keys are all invalid give zeros (sink only).
+def test_swa_only_empty_rows_and_strided_q(row, splits):
+    # A token with no keys gives zeros (the sink only).
     got, tri, ref = _both(5, heads=64, splits=splits, main_lens=[0, 7, 33, 16], invalid=0.0,
-                          q_pad=64)
+                          q_pad=64, row=row)
     assert_close(got, ref)
     near(got, tri, ref)
     assert torch.equal(got[0], torch.zeros_like(got[0]))
 
 
 @gpu
-def test_odd_pages_extreme_slots_nan_and_all_invalid_rows():
+@pytest.mark.parametrize("row", ["sm80-2p-h64", "sm80-2p-h32"])
+def test_odd_pages_extreme_slots_nan_and_all_invalid_rows(row):
     q, mc, mi, mp, sink, ex = odd_pages_extreme_slots_nan("cuda", [9, 26, 0, 12],
                                                           [31, 4, 0, 20], heads=64)
     for splits in (1, 2):
-        got, ref = run_both(q, mc, mi, mp, sink, ex, variant=ROW, splits=splits, device="cuda")
+        got, ref = run_both(q, mc, mi, mp, sink, ex, variant=row, splits=splits, device="cuda")
         tri, _ = run_both(q, mc, mi, mp, sink, ex, variant=TRITON_ROW, splits=splits,
                           device="cuda")
         assert_close(got, ref)
@@ -153,6 +171,6 @@ def test_odd_pages_extreme_slots_nan_and_all_invalid_rows():
         assert torch.equal(got[2], torch.zeros_like(got[2]))  # a token without keys
     # Every slot invalid, no sink: zeros.
     bad = dict(ex, extra_indices=torch.full_like(ex["extra_indices"], -1))
-    got, _ = run_both(q, mc, torch.full_like(mi, -1), mp, None, bad, variant=ROW, splits=1,
+    got, _ = run_both(q, mc, torch.full_like(mi, -1), mp, None, bad, variant=row, splits=1,
                       device="cuda")
     assert torch.equal(got, torch.zeros_like(got))

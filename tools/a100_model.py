@@ -776,12 +776,13 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     block_h, splits = smd.launch_plan(tokens, heads, float(keys), tile, sms)
     split = splits > 1
     swa_page, comp_page = 32, 64
-    gluon_h64 = smd.uses_h64(tile, heads)
-    if gluon_h64:  # phase 2 as the 64-head Gluon kernel (its gate spec, INV_ROPE off)
+    gluon_heads = tile.gluon_heads if smd.uses_gluon(tile, heads) else 0
+    if gluon_heads:  # phase 2 as the Gluon kernel (its gate spec, INV_ROPE off)
         tile = smd.phase2_tile(tile, heads)
         spec = dataclasses.replace(
-            _spec(f"sparse_mla_decode.h64.{'partial' if split else 'direct'}[sm80-2p]",
-                  INV_ROPE=False, DSPLIT=h64.DSPLIT), num_warps=h64.NUM_WARPS)
+            _spec(f"sparse_mla_decode.gluon{gluon_heads}.{'partial' if split else 'direct'}"
+                  "[sm80-2p]", INV_ROPE=False, DSPLIT=h64.DSPLIT),
+            num_warps=h64.warps(gluon_heads))
     else:
         spec = dataclasses.replace(
             _spec(f"sparse_mla_decode.{'partial' if split else 'direct'}[{tv}]", INV_ROPE=False,

@@ -1,6 +1,6 @@
-"""H200 sweep of the two-phase decode's 64-head Gluon phase 2 (Tile.h64) against the Triton
-phase 2: warps per head group (kernels/sparse_mla_decode_h64.py ``DSPLIT``: 2 = 8 warps, 4 = 16
-warps) x split counts. (At 5535209 the same script swept Q.K^T dim slices, since removed.)
+"""H200 sweep of the two-phase decode's Gluon phase 2 (Tile.gluon_heads: rows sm80-2p-h64 and
+sm80-2p-h32) against the Triton phase 2, over split counts. (At 5535209 the same script swept
+Q.K^T dim slices, at d4d1dd1 warps per head group, ``DSPLIT``; both since fixed.)
 
 Each row times the whole decode (both phases) of one setting, captured in a CUDA graph and
 replayed under ``triton.testing.do_bench`` (median, L2 flushed), over 4 input copies in turn,
@@ -11,7 +11,6 @@ V4.1 shapes (top-k 512 + window 128, sink) at 64 heads. Prints a table; ``--out`
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -22,18 +21,12 @@ import triton
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from suites.sparse_mla_decode import TOPK, WINDOW, _graph, make_inputs, ours  # noqa: E402
 from vllm.deepinfer.kernels import sparse_mla_decode as smd  # noqa: E402
-from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64  # noqa: E402
 
 
-def time_setting(inputs, row, splits, dsplit) -> float:
-    orig = h64.attend_rows_h64
-    h64.attend_rows_h64 = functools.partial(orig, dsplit=dsplit)
-    try:
-        outs = [torch.empty_like(x["q"]) for x in inputs]
-        graphs = [_graph(lambda x=x, o=o: ours(x, row, out=o, num_kv_splits=splits))
-                  for x, o in zip(inputs, outs)]
-    finally:
-        h64.attend_rows_h64 = orig
+def time_setting(inputs, row, splits) -> float:
+    outs = [torch.empty_like(x["q"]) for x in inputs]
+    graphs = [_graph(lambda x=x, o=o: ours(x, row, out=o, num_kv_splits=splits))
+              for x, o in zip(inputs, outs)]
     state = {"i": 0}
 
     def step():
@@ -53,20 +46,15 @@ def main(argv=None) -> int:
     rows = []
     for t in args.tokens:
         inputs = [make_inputs(dev, t, args.heads, TOPK, WINDOW, seed=s) for s in range(4)]
-        _, auto_tri = smd.launch_plan(t, args.heads, float(TOPK + WINDOW), smd.TILES["sm80-2p"],
-                                      sms)
-        _, auto_h64 = smd.launch_plan(t, args.heads, float(TOPK + WINDOW),
-                                      smd.TILES["sm80-2p-h64"], sms)
-        settings = [("sm80-2p", auto_tri, None)]
-        for sp in sorted({1, 2, 4, auto_h64}):
-            for ds in (2, 4):
-                settings.append(("sm80-2p-h64", sp, ds))
-        for row, sp, ds in settings:
-            us = time_setting(inputs, row, sp, ds)
-            r = dict(tokens=t, heads=args.heads, row=row, splits=sp, dsplit=ds, us=us,
-                     auto=sp == (auto_tri if row == "sm80-2p" else auto_h64))
+        settings = []
+        for row in ("sm80-2p", "sm80-2p-h64", "sm80-2p-h32"):
+            _, auto = smd.launch_plan(t, args.heads, float(TOPK + WINDOW), smd.TILES[row], sms)
+            settings += [(row, sp, sp == auto) for sp in sorted({1, 2, 4, auto})]
+        for row, sp, is_auto in settings:
+            us = time_setting(inputs, row, sp)
+            r = dict(tokens=t, heads=args.heads, row=row, splits=sp, us=us, auto=is_auto)
             rows.append(r)
-            print(f"{t:5d} {row:12s} splits={sp} dsplit={ds} {us:9.1f} us"
+            print(f"{t:5d} {row:12s} splits={sp} {us:9.1f} us"
                   f"{'  (auto)' if r['auto'] else ''}", flush=True)
         del inputs
         torch.cuda.empty_cache()

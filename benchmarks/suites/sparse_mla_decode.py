@@ -37,8 +37,9 @@ from vllm.deepinfer.kernels import sparse_mla_decode as smd
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, RECORD_BYTES, ROPE_DIM
 
 # sm80-2p: the two-phase Ampere decode (dequantize each token's keys once, then attend);
-# sm80-2p-h64: the same with phase 2 as the 64-head Gluon kernel (Tile.h64).
-OURS = ("sm90", "sm80", "sm80-2p", "sm80-2p-h64")
+# sm80-2p-h64 / -h32: the same with phase 2 as the Gluon kernel with 64 / 32 heads per
+# program (Tile.gluon_heads).
+OURS = ("sm90", "sm80", "sm80-2p", "sm80-2p-h64", "sm80-2p-h32")
 # V4.1 pages as the measuring GPU (SM90) lays them out: SWA pages, compressed pages.
 SWA_PAGE, COMP_PAGE = shapes.V41.swa_page, shapes.compressed_page("sm90")
 WINDOW, TOPK = shapes.V41.window, shapes.V41.topk

@@ -64,7 +64,7 @@ __all__ = ["sparse_attn_decode", "choose_num_splits", "launch_plan", "select_til
            "launch_tiles", "Tile", "TILES", "REDUCE_UNROLL", "GATE_VARIANTS",
            "PREDEQUANT_FEATURE", "PREDEQUANT_MIN_TOKENS", "PREDEQUANT_BLOCK_N",
            "PREDEQUANT_WARPS", "PREDEQUANT_PROGRAMS_PER_SM", "PREDEQUANT_DECODES",
-           "phase2_tile", "uses_h64"]
+           "phase2_tile", "uses_gluon"]
 
 FEATURE = "sparse_mla_decode"
 # Softmax runs in the exp2 domain: scores and the sink are multiplied by log2(e) once.
@@ -148,11 +148,11 @@ class Tile:
     # k-steps through one accumulator (dependent HMMAs); two halves give the scheduler two
     # independent chains of 16. Same instructions and shared memory, other summation order.
     qk_halves: bool = False
-    # Phase 2 only: launches of h64.MIN_HEADS heads or more run the Gluon kernel of
-    # kernels/sparse_mla_decode_h64.py (64 heads per program, Q held in registers, each key
-    # tile staged once per token) instead of the Triton loop; fewer heads, the interpreter and
-    # a Triton without Gluon keep the Triton loop (uses_h64).
-    h64: bool = False
+    # Phase 2 only, 0 or one of h64.HEADS: launches of at least that many heads run the Gluon
+    # kernel of kernels/sparse_mla_decode_h64.py (that many heads per program, Q held in
+    # registers, each key tile staged once per program) instead of the Triton loop; fewer
+    # heads, the interpreter and a Triton without Gluon keep the Triton loop (uses_gluon).
+    gluon_heads: int = 0
 
 
 # Tile table keyed by variant name (docs/sparse-mla-decode.md has the gate figures).
@@ -203,9 +203,11 @@ TILES: dict[str, Tile] = {
                     predequant=True, predequant_decode="f16bits", qk_halves=True),
     "cpu-2p": Tile(block_h=16, block_n=16, num_warps=2, num_stages=1, ctas_per_sm=1,
                    predequant=True, predequant_decode="f16bits", qk_halves=True),
-    # Phase 2 as the 64-head Gluon kernel (Tile.h64); benchmark row.
-    "sm80-2p-h64": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=4,
-                        predequant=True, predequant_decode="f16bits", qk_halves=True, h64=True),
+    # Phase 2 as the Gluon kernel with 64 or 32 heads per program (Tile.gluon_heads);
+    # benchmark rows.
+    **{f"sm80-2p-h{g}": Tile(block_h=16, block_n=16, num_warps=2, num_stages=2, ctas_per_sm=4,
+                             predequant=True, predequant_decode="f16bits", qk_halves=True,
+                             gluon_heads=g) for g in (64, 32)},
     # Ada: hardware e4m3, mma.sync like Ampere (no wgmma), 100 KiB per SM: the Ampere tile
     # keeps two CTAs per SM. Not measured by this project.
     "sm89": Tile(block_h=16, block_n=16, num_warps=4, num_stages=1, ctas_per_sm=2),
@@ -643,19 +645,20 @@ def choose_num_splits(tokens: int, head_tiles: int, avg_keys: float, tile: Tile,
     return math.ceil(key_tiles / tiles_per_split)
 
 
-def uses_h64(tile: Tile, heads: int) -> bool:
+def uses_gluon(tile: Tile, heads: int) -> bool:
     """Whether a launch of ``heads`` heads on ``tile`` runs phase 2 as the Gluon kernel."""
-    return (tile.predequant and tile.h64 and heads >= h64.MIN_HEADS and h64.AVAILABLE
-            and not arch.interpreting())
+    return bool(tile.predequant and tile.gluon_heads and heads >= tile.gluon_heads
+                and h64.AVAILABLE and not arch.interpreting())
 
 
 def phase2_tile(tile: Tile, heads: int) -> Tile:
     """The tile whose head and key blocks and residency the launch plan uses: ``tile``, or
-    the Gluon kernel's (64 heads x 16 keys, 8 warps, one CTA per SM at 255 registers)."""
-    if not uses_h64(tile, heads):
+    the Gluon kernel's (``gluon_heads`` heads x 16 keys, its warps and CTAs per SM)."""
+    if not uses_gluon(tile, heads):
         return tile
-    return dataclasses.replace(tile, block_h=h64.BLOCK_H, block_n=h64.BLOCK_N,
-                               num_warps=h64.NUM_WARPS, ctas_per_sm=1)
+    g = tile.gluon_heads
+    return dataclasses.replace(tile, block_h=g, block_n=h64.BLOCK_N, num_warps=h64.warps(g),
+                               ctas_per_sm=h64.ctas_per_sm(g))
 
 
 def launch_plan(tokens: int, heads: int, avg_keys: float, tile: Tile, sm_count: int,
@@ -795,12 +798,13 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
             num_stages=1)
     else:
         ws, valid = out, main_indptr  # unused: PREDEQUANT=False reads the records
-    if uses_h64(tile, heads):
+    if uses_gluon(tile, heads):
         h64.attend_rows_h64(
             (head_tiles, num_kv_splits, tokens), q, ws, valid, main_indptr, extra_indptr,
             sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg, cs_stride,
             float(scale) * LOG2E.value, heads, num_kv_splits, has_extra=has_extra,
-            has_sink=has_sink, split=split, inv_rope=inv_rope and not split)
+            has_sink=has_sink, split=split, inv_rope=inv_rope and not split,
+            block_h=tile.gluon_heads)
     else:
         _sparse_mla_decode_kernel[(head_tiles, num_kv_splits, tokens)](
             q, main_cache, main_indices, main_indptr, extra_cache, extra_indices, extra_indptr,
@@ -901,15 +905,16 @@ def _register() -> None:
                         EXTRA_BS=GATE_COMPRESSED_PAGE, BLOCK_N=PREDEQUANT_BLOCK_N,
                         DECODE=PREDEQUANT_DECODES[t.predequant_decode]),
         variants=("sm80",), num_warps=PREDEQUANT_WARPS, num_stages=1, feature=FEATURE))
-    if h64.AVAILABLE:  # phase 2 as the 64-head Gluon kernel (Tile.h64)
-        for split in (False, True):
-            register(GateSpec(
-                name=f"sparse_mla_decode.h64.{'partial' if split else 'direct'}[sm80-2p]",
-                kernel=h64._attend_rows_h64_kernel, signature=h64.SIGNATURE,
-                constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split, INV_ROPE=not split,
-                                DSPLIT=h64.DSPLIT),
-                variants=("sm80",), num_warps=h64.NUM_WARPS, num_stages=1, feature=FEATURE,
-                aligned_pointers=True))
-
+    if h64.AVAILABLE:  # phase 2 as the Gluon kernel (Tile.gluon_heads)
+        for g in h64.HEADS:
+            for split in (False, True):
+                register(GateSpec(
+                    name=f"sparse_mla_decode.gluon{g}.{'partial' if split else 'direct'}"
+                         "[sm80-2p]",
+                    kernel=h64._attend_rows_h64_kernel, signature=h64.SIGNATURE,
+                    constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split,
+                                    INV_ROPE=not split, DSPLIT=h64.DSPLIT, H=g),
+                    variants=("sm80",), num_warps=h64.warps(g), num_stages=1, feature=FEATURE,
+                    aligned_pointers=True))
 
 _register()

@@ -38,28 +38,39 @@ except ImportError:  # pragma: no cover - exercised only with an older Triton
     gluon = gl = async_copy = mma_v2 = None
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "DSPLIT", "NUM_WARPS", "MIN_HEADS", "SIGNATURE",
-           "attend_rows_h64"]
+__all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "DSPLIT", "HEADS", "SIGNATURE", "attend_rows_h64",
+           "ctas_per_sm", "warps"]
 
-# Heads per program: 4 warps x 16 rows of m16n8k16, times DSPLIT warps across the dims.
+# Heads per program (``H``): 64 (one program per token of a 64-head model) or 32 (two). The
+# warps are H / 16 head groups of 16 rows (m16n8k16) times DSPLIT across the dims.
 BLOCK_H = 64
-# Warps per head group, each owning 512 / DSPLIT dims of Q and of the output (4 * DSPLIT
-# warps). 2: 8 warps, 64 + 128 registers of Q and output per thread (about 253 in all).
-# 4: 16 warps, half of that per thread (<= 128: one CTA per SM either way), twice the warps
-# to hide the loop's latency, and a 4-way cross-warp score sum.
+HEADS = (32, 64)
+# Warps per head group, each owning 512 / DSPLIT dims of Q and of the output. 2: Q 64 and
+# output 128 registers per thread (about 253 in all, no spill). 4 (16 warps at 64 heads,
+# <= 128 registers) spills and was 25-40% slower on the H200 (benchmarks/results/
+# h200-2026-12-01-decode-h64-sweep-d4d1dd1.json: 108.3 vs 84.6 us at 64 tokens x 64 heads).
 DSPLIT = 2
 # Keys per tile: two stages of [16 keys, 512] bf16 (32 KiB) plus the cross-warp score sum's
-# scratch ([DSPLIT, 64, 16] fp32: 8 KiB at DSPLIT 2) make 40 KiB on sm_80, inside the
-# 48 KiB budget; 32 keys would need 72 KiB.
+# scratch ([DSPLIT, H, 16] fp32: 8 KiB at 64 heads, 4 at 32) make 40 (36) KiB on sm_80,
+# inside the 48 KiB budget; 32 keys would need 72 KiB.
 BLOCK_N = 16
-NUM_WARPS = 4 * DSPLIT
 # Q.K^T as 2 or 4 dots over slices of each half's dims (more independent mma chains) was
 # timed by the H200 sweep at 5535209 (benchmarks/results/h200-2026-12-01-decode-h64-sweep-
 # 5535209.json, 64 heads, top-k 512 + window 128, both phases): 1-5% slower than one dot at
 # 16, 64 and 128 tokens with the chosen splits (64 tokens: 84.1 / 87.5 / 88.4 us); removed.
-# Fewer heads than this leave most of the 64-row tile empty: such launches keep the Triton
-# phase 2 (16 heads per program).
-MIN_HEADS = 64
+
+
+def warps(block_h: int) -> int:
+    """Warps of a ``block_h``-head program."""
+    return block_h // 16 * DSPLIT
+
+
+def ctas_per_sm(block_h: int) -> int:
+    """Resident programs per SM: the builds use about 255 registers per thread, so 8 warps
+    (65,536 registers) per SM on sm_80, sm_86 and sm_90; shared memory (<= 40 KiB each)
+    allows at least 2 on each."""
+    return max(1, 8 // warps(block_h))
+
 
 if AVAILABLE:
     @gluon.jit(do_not_specialize=["num_heads", "num_splits"])
@@ -69,25 +80,24 @@ if AVAILABLE:
         q_stride0, q_stride1, out_stride0, out_stride1, cs_stride,
         qk_scale, num_heads, num_splits,
         HAS_EXTRA: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        INV_ROPE: gl.constexpr, DSPLIT: gl.constexpr,
+        INV_ROPE: gl.constexpr, DSPLIT: gl.constexpr, H: gl.constexpr,
     ):
-        """Grid (cdiv(heads, 64), splits, tokens), 4 * DSPLIT warps. ``qk_scale`` = softmax
-        scale * log2(e)."""
-        H: gl.constexpr = 64
+        """Grid (cdiv(heads, H), splits, tokens), H / 16 * DSPLIT warps. ``qk_scale`` =
+        softmax scale * log2(e)."""
         N: gl.constexpr = 16
         D: gl.constexpr = 512
         HD: gl.constexpr = D // DSPLIT  # dims per slice
         NEG: gl.constexpr = -3.4028234663852886e38  # the decode kernels' NEG_LARGE
         L2E: gl.constexpr = 1.4426950408889634
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0],
-                                                      warps_per_cta=[DSPLIT, 4, 1],
+                                                      warps_per_cta=[DSPLIT, H // 16, 1],
                                                       instr_shape=[1, 16, 8])
         DOT_A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
         DOT_B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
         # Global loads: 8 bf16 (16 B) per thread along the dims.
         TD: gl.constexpr = HD // 8 if HD < 256 else 32
-        LD: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // TD, TD], [DSPLIT, 4, 1],
-                                            [2, 1, 0])
+        LD: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // TD, TD],
+                                            [DSPLIT, H // 16, 1], [2, 1, 0])
         SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [2, 1, 0])
         S2: gl.constexpr = gl.SliceLayout(0, MMA)       # [H, N] summed scores
         ROW: gl.constexpr = gl.SliceLayout(1, S2)       # [H]
@@ -191,21 +201,22 @@ if AVAILABLE:
             inv_l = gl.where(l_i > 0.0, 1.0 / gl.maximum(l_i, 1e-30), 0.0)
             o = acc * gl.expand_dims(gl.expand_dims(inv_l, 1), 0)
             if INV_ROPE:
-                o = _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT)
+                o = _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT, H)
             gl.store(out_ptr + tok.to(gl.int64) * out_stride0
                      + heads[None, :, None].to(gl.int64) * out_stride1 + cols,
                      o.to(gl.bfloat16), mask=hmask3)
 
     @gluon.jit
-    def _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT: gl.constexpr):
+    def _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT: gl.constexpr,
+                           H: gl.constexpr):
         """The decode kernel's inverse GPT-J RoPE (kernels/sparse_mla_decode.py
-        ``_inv_rope_gptj``) on the [DSPLIT, 64, 512 / DSPLIT] fp32 output slices: pair
+        ``_inv_rope_gptj``) on the [DSPLIT, H, 512 / DSPLIT] fp32 output slices: pair
         c * HD / 2 + p of the 256 is RoPE pair k = that - 224 when k >= 0. Each thread holds
         both columns of a pair (mma.sync accumulators hold column pairs), so the split and join
         stay in registers."""
         OL: gl.constexpr = o.type.layout
         HP: gl.constexpr = 256 // DSPLIT  # pairs per slice
-        even, odd = gl.split(gl.reshape(o, [DSPLIT, 64, HP, 2]))
+        even, odd = gl.split(gl.reshape(o, [DSPLIT, H, HP, 2]))
         PL: gl.constexpr = even.type.layout
         pc = gl.arange(0, DSPLIT, gl.SliceLayout(1, gl.SliceLayout(2, PL)))
         pk = gl.arange(0, HP, gl.SliceLayout(0, gl.SliceLayout(1, PL)))
@@ -216,7 +227,7 @@ if AVAILABLE:
         cos = gl.load(row + k, mask=is_rope, other=1.0).to(gl.float32)
         sin = gl.load(row + 32 + k, mask=is_rope, other=0.0).to(gl.float32)
         o = gl.reshape(gl.join(even * cos + odd * sin, odd * cos - even * sin),
-                       [DSPLIT, 64, 512 // DSPLIT])
+                       [DSPLIT, H, 512 // DSPLIT])
         return gl.convert_layout(o, OL)  # the same placement: no data moves
 else:  # pragma: no cover
     _attend_rows_h64_kernel = None
@@ -228,17 +239,18 @@ SIGNATURE = {
     "part_l_ptr": "*fp32", "part_acc_ptr": "*fp32", "pos_ptr": "*i64", "cs_ptr": "*fp32",
     **{k: "i32" for k in ("q_stride0", "q_stride1", "out_stride0", "out_stride1", "cs_stride")},
     "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32",
-    **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE", "DSPLIT")},
+    **{k: "constexpr" for k in ("HAS_EXTRA", "HAS_SINK", "SPLIT", "INV_ROPE", "DSPLIT", "H")},
 }
 
 
 def attend_rows_h64(grid, q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l,
                     part_acc, pos, cs, cs_stride, qk_scale, heads, num_splits, *, has_extra,
-                    has_sink, split, inv_rope, dsplit=None):
+                    has_sink, split, inv_rope, dsplit=None, block_h=None):
     """Launch the kernel (arguments as the Triton phase 2's; the caller validated them)."""
     _attend_rows_h64_kernel[grid](
         q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l, part_acc, pos, cs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs_stride,
         qk_scale, heads, num_splits,
         HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope,
-        DSPLIT=dsplit or DSPLIT, num_warps=4 * (dsplit or DSPLIT))
+        DSPLIT=dsplit or DSPLIT, H=block_h or BLOCK_H,
+        num_warps=(block_h or BLOCK_H) // 16 * (dsplit or DSPLIT))
