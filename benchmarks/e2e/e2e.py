@@ -222,6 +222,8 @@ def main() -> int:
                     help="the yoco step's run.py modes, comma-separated (default: all of "
                     "YOCO_MODES; REPEAT_MODES among them also rerun and toggle reuse in "
                     "process)")
+    ap.add_argument("--tput-modes", default=",".join(MODES),
+                    help="the tput step's modes, comma-separated (default: all of MODES)")
     ap.add_argument("--sparse-routing", action="store_true",
                     help="agreement checkpoints keep the configs' expert top-k (see dense_routing)")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
@@ -252,8 +254,15 @@ def main() -> int:
     if args.quick:
         agree_extra += ["--lens", *map(str, QUICK_LENS), "--gen", "16"]
 
+    tput_modes = [m for m in args.tput_modes.split(",") if m]
+    if sorted(set(tput_modes) - set(MODES)):
+        ap.error(f"--tput-modes: unknown {', '.join(sorted(set(tput_modes) - set(MODES)))}; "
+                 f"known: {', '.join(MODES)}")
     if "ckpt" in steps:
-        make_checkpoints(work, set(AGREE_MODELS) | ({TPUT_MODEL} if "tput" in steps else set()),
+        # The agreement models serve every step but tput.
+        agree_needed = bool(steps & {"agree", "reference", "graphs", "yoco", "nocompile"})
+        make_checkpoints(work, (set(AGREE_MODELS) if agree_needed else set())
+                         | ({TPUT_MODEL} if "tput" in steps else set()),
                          dense=not args.sparse_routing)
     # Jobs in priority order (a --deadline drops the tail): (model, mode, form), form one of
     # "eager", "graphs", "nocompile".
@@ -296,7 +305,7 @@ def main() -> int:
         extra = ["--max-model-len", str(32768 + 512), "--gpu-mem", "0.85"]
         if args.quick:
             extra += ["--batches", "1", "8", "32", "--prefill-lens", "1024", "8192"]
-        for m in MODES:
+        for m in tput_modes:
             if (work / f"{TPUT_MODEL}-{m}-tput-graphs.json").exists():
                 continue
             p = run_mode(work, TPUT_MODEL, m, "tput", False, extra)
