@@ -297,3 +297,27 @@ def test_verify_row_passes_only_when_every_hit_compared_equal():
     assert not r["passed"] and r["hits_not_compared"] == ["combine"]
     assert e2e.verify_row("v4-mini", "sm90_verify",
                           {"swa_ragged.hit": 1, "swa_ragged.verify_equal": 1})["passed"]
+
+
+def test_tput_only_run_takes_its_meta_from_the_tput_run_and_its_modes(monkeypatch, tmp_path):
+    """--steps ckpt,tput --tput-modes a100: only the throughput checkpoint is written, only the
+    a100 engine runs, and the results file names the GPU and commit of that run."""
+    started = []
+    sh = _fake_run({}, started)
+
+    def sh_tput(cmd, log, env=None, timeout=None):
+        rc = sh(cmd, log, env, timeout)
+        if "--task" in cmd and cmd[cmd.index("--task") + 1] == "tput":
+            out = Path(cmd[cmd.index("--out") + 1])
+            r = json.load(open(out))
+            json.dump(dict(r, gpu="NVIDIA H200", commit="abc1234", torch="2.11"), open(out, "w"))
+        return rc
+    res = _main(monkeypatch, tmp_path, ["--steps", "ckpt,tput", "--tput-modes", "a100"],
+                sh_tput)
+    assert [s[0] for s in started] == [f"{e2e.TPUT_MODEL}-a100-tput-graphs"]
+    ckpts = sorted(p.name for p in (tmp_path / "w").iterdir() if p.is_dir())
+    assert ckpts == [f"{e2e.TPUT_MODEL}-{e2e.MODELS[e2e.TPUT_MODEL][1]}"]
+    assert res["meta"]["gpu"] == "NVIDIA H200" and res["meta"]["commit"] == "abc1234"
+    assert [r["variant"] for r in res["rows"] if r["kernel"] == "e2e"] == ["a100"]
+    with pytest.raises(SystemExit):
+        _main(monkeypatch, tmp_path / "bad", ["--steps", "tput", "--tput-modes", "a10"], sh_tput)

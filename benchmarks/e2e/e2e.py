@@ -528,7 +528,13 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                              tokens_per_s=t["tokens_per_s"], seconds=t.get("seconds"),
                              timing=t.get("timing", "whole generate call"),
                              error=t.get("error"), load_seconds=r["load_seconds"]))
+    # The machine and versions: from an agreement run, else from a tput or nocompile run (each
+    # run.py result records them).
     sample = next(iter(runs.values()), None) or {}
+    if not sample:
+        for p in [p for _, p in tput_outs] + sorted(work.glob("*-a100-nocompile.json")):
+            sample = json.load(open(p))
+            break
     meta = dict(_meta(sample), date=datetime.date.today().isoformat(), failed_runs=failed_runs,
                 note="H200 figures; the a100 mode emulates an A100's kernel selection on the "
                      "H200 (DEEPINFER_EMULATE_CAPABILITY=8.0): its speeds are not A100 speeds")
