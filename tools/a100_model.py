@@ -768,7 +768,7 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
     heuristic for ``sms`` SMs."""
     _overlay_on_path()
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
-    from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64
+    from vllm.deepinfer.kernels import sparse_mla_decode_gluon as glk
     from vllm.deepinfer.kv_record import HEAD_DIM, RECORD_BYTES
     tv = kernel_variant or variant
     tile = smd.TILES[tv]
@@ -781,8 +781,8 @@ def decode_workload(tokens: int, heads: int, topk: int, window: int, variant: st
         tile = smd.phase2_tile(tile, heads)
         spec = dataclasses.replace(
             _spec(f"sparse_mla_decode.gluon{gluon_heads}.{'partial' if split else 'direct'}"
-                  "[sm80-2p]", INV_ROPE=False, DSPLIT=h64.DSPLIT),
-            num_warps=h64.warps(gluon_heads))
+                  "[sm80-2p]", INV_ROPE=False, DSPLIT=glk.DSPLIT),
+            num_warps=glk.warps(gluon_heads))
     else:
         spec = dataclasses.replace(
             _spec(f"sparse_mla_decode.{'partial' if split else 'direct'}[{tv}]", INV_ROPE=False,

@@ -47,7 +47,7 @@ from vllm.deepinfer.compile_gate import GateSpec, register
 from vllm.deepinfer.fp8 import (cvt_e4m3_to_f32, e4m3_to_f32_e4b15, e4m3_to_f32_f16bits,
                                 ue8m0_to_f32)
 from vllm.deepinfer.kernels import shapes
-from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64
+from vllm.deepinfer.kernels import sparse_mla_decode_gluon as glk
 from vllm.deepinfer.kernels.checks import (FLOAT_DTYPES, INDEX_DTYPES, check, check_mla_query,
                                            check_tensor)
 from vllm.deepinfer.kernels.qk_halves import halves_step
@@ -148,8 +148,8 @@ class Tile:
     # k-steps through one accumulator (dependent HMMAs); two halves give the scheduler two
     # independent chains of 16. Same instructions and shared memory, other summation order.
     qk_halves: bool = False
-    # Phase 2 only, 0 or one of h64.HEADS: launches of at least that many heads run the Gluon
-    # kernel of kernels/sparse_mla_decode_h64.py (that many heads per program, Q held in
+    # Phase 2 only, 0 or one of glk.HEADS: launches of at least that many heads run the Gluon
+    # kernel of kernels/sparse_mla_decode_gluon.py (that many heads per program, Q held in
     # registers, each key tile staged once per program) instead of the Triton loop; fewer
     # heads, the interpreter and a Triton without Gluon keep the Triton loop (uses_gluon).
     gluon_heads: int = 0
@@ -648,7 +648,7 @@ def choose_num_splits(tokens: int, head_tiles: int, avg_keys: float, tile: Tile,
 def uses_gluon(tile: Tile, heads: int) -> bool:
     """Whether a launch of ``heads`` heads on ``tile`` runs phase 2 as the Gluon kernel."""
     return bool(tile.predequant and tile.gluon_heads and heads >= tile.gluon_heads
-                and h64.AVAILABLE and not arch.interpreting())
+                and glk.AVAILABLE and not arch.interpreting())
 
 
 def phase2_tile(tile: Tile, heads: int) -> Tile:
@@ -657,8 +657,8 @@ def phase2_tile(tile: Tile, heads: int) -> Tile:
     if not uses_gluon(tile, heads):
         return tile
     g = tile.gluon_heads
-    return dataclasses.replace(tile, block_h=g, block_n=h64.BLOCK_N, num_warps=h64.warps(g),
-                               ctas_per_sm=h64.ctas_per_sm(g))
+    return dataclasses.replace(tile, block_h=g, block_n=glk.BLOCK_N, num_warps=glk.warps(g),
+                               ctas_per_sm=glk.ctas_per_sm(g))
 
 
 def launch_plan(tokens: int, heads: int, avg_keys: float, tile: Tile, sm_count: int,
@@ -799,7 +799,7 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     else:
         ws, valid = out, main_indptr  # unused: PREDEQUANT=False reads the records
     if uses_gluon(tile, heads):
-        h64.attend_rows_h64(
+        glk.attend_rows(
             (head_tiles, num_kv_splits, tokens), q, ws, valid, main_indptr, extra_indptr,
             sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg, cs_stride,
             float(scale) * LOG2E.value, heads, num_kv_splits, has_extra=has_extra,
@@ -905,16 +905,16 @@ def _register() -> None:
                         EXTRA_BS=GATE_COMPRESSED_PAGE, BLOCK_N=PREDEQUANT_BLOCK_N,
                         DECODE=PREDEQUANT_DECODES[t.predequant_decode]),
         variants=("sm80",), num_warps=PREDEQUANT_WARPS, num_stages=1, feature=FEATURE))
-    if h64.AVAILABLE:  # phase 2 as the Gluon kernel (Tile.gluon_heads)
-        for g in h64.HEADS:
+    if glk.AVAILABLE:  # phase 2 as the Gluon kernel (Tile.gluon_heads)
+        for g in glk.HEADS:
             for split in (False, True):
                 register(GateSpec(
                     name=f"sparse_mla_decode.gluon{g}.{'partial' if split else 'direct'}"
                          "[sm80-2p]",
-                    kernel=h64._attend_rows_h64_kernel, signature=h64.SIGNATURE,
+                    kernel=glk._attend_rows_kernel, signature=glk.SIGNATURE,
                     constexprs=dict(HAS_EXTRA=True, HAS_SINK=True, SPLIT=split,
-                                    INV_ROPE=not split, DSPLIT=h64.DSPLIT, H=g),
-                    variants=("sm80",), num_warps=h64.warps(g), num_stages=1, feature=FEATURE,
+                                    INV_ROPE=not split, DSPLIT=glk.DSPLIT, H=g),
+                    variants=("sm80",), num_warps=glk.warps(g), num_stages=1, feature=FEATURE,
                     aligned_pointers=True))
 
 _register()

@@ -6,7 +6,7 @@ Each row times the whole decode (both phases) of one setting, captured in a CUDA
 replayed under ``triton.testing.do_bench`` (median, L2 flushed), over 4 input copies in turn,
 V4.1 shapes (top-k 512 + window 128, sink) at 64 heads. Prints a table; ``--out`` writes JSON.
 
-    PYTHONPATH=overlay:benchmarks python benchmarks/diag/sweep_decode_h64.py --out F.json
+    PYTHONPATH=overlay:benchmarks python benchmarks/diag/sweep_decode_gluon.py --out F.json
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Phase 2 as the Gluon kernel with 64 or 32 heads per program (kernels/sparse_mla_decode_h64.py,
+"""Phase 2 as the Gluon kernel with 64 or 32 heads per program (kernels/sparse_mla_decode_gluon.py,
 ``Tile.gluon_heads``, rows sm80-2p-h64 and sm80-2p-h32).
 
 On CPU: its selection (heads, interpreter, rows) and its sm_80 / sm_86 builds (<= 40 KiB of
@@ -19,7 +19,7 @@ from test_sparse_mla_decode import TOL_ABS, TOL_REL, D, assert_close, run_both, 
 from test_sparse_mla_decode_predequant import odd_pages_extreme_slots_nan
 from vllm.deepinfer import arch
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
-from vllm.deepinfer.kernels import sparse_mla_decode_h64 as h64
+from vllm.deepinfer.kernels import sparse_mla_decode_gluon as glk
 
 ROW = "sm80-2p-h64"
 TRITON_ROW = "sm80-2p"  # the same row with the Triton phase 2
@@ -44,7 +44,7 @@ def test_selection(g):
     assert dataclasses.replace(t, gluon_heads=0) == smd.TILES[TRITON_ROW]
     assert not smd.uses_gluon(smd.TILES[TRITON_ROW], 64)
     assert not smd.uses_gluon(t, g - 1)
-    if h64.AVAILABLE and not arch.interpreting():
+    if glk.AVAILABLE and not arch.interpreting():
         assert smd.uses_gluon(t, g)
         p = smd.phase2_tile(t, 128)
         assert (p.block_h, p.block_n, p.num_warps) == (g, 16, g // 8)
@@ -56,7 +56,7 @@ def test_selection(g):
                                                                     smd.TILES[TRITON_ROW], 132)
 
 
-@pytest.mark.skipif(not h64.AVAILABLE or arch.interpreting(), reason="Gluon on a GPU only")
+@pytest.mark.skipif(not glk.AVAILABLE or arch.interpreting(), reason="Gluon on a GPU only")
 def test_launch_plan_counts_the_gluon_residency():
     t64, t32 = smd.TILES["sm80-2p-h64"], smd.TILES["sm80-2p-h32"]
     # 64 heads, 64 tokens: one CTA per SM at 64 heads (split twice on 132 SMs, not on 108),
@@ -88,7 +88,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not h64.AVAILABLE, reason="this Triton has no Gluon")
+@pytest.mark.skipif(not glk.AVAILABLE, reason="this Triton has no Gluon")
 def test_ampere_builds_fit():
     """The compile gate's specs (32 and 64 heads, direct and partial) for sm_80 and sm_86:
     within 48 KiB, 64 HMMAs per warp and key tile (32 for Q.K^T, 32 for P.V), no local

@@ -1,4 +1,4 @@
-"""Phase 2 of the two-phase Ampere decode with 64 heads per program (Gluon, mma.sync).
+"""Phase 2 of the two-phase Ampere decode with 64 or 32 heads per program (Gluon, mma.sync).
 
 The Triton phase 2 (kernels/sparse_mla_decode.py, ``Tile.predequant``) gives each program
 16 heads of a token: Triton keeps Q in shared memory, and within 48 KiB per CTA on sm_80 a
@@ -7,13 +7,15 @@ in shared memory four times per token (64 heads) and every HMMA's Q fragment is 
 from shared memory.
 
 This kernel is written in Gluon (Triton's layout-explicit dialect, ``mma_v2`` = mma.sync),
-which lets the tile be split the way the register file allows: 8 warps, warp (c, g) holds
-heads [16 g, 16 g + 16) and dims [256 c, 256 c + 256). Each warp keeps its Q slice in
-registers for the whole loop (64 registers) and owns the same slice of the output (128
-fp32 registers). Q.K^T is a batched mma over the two dim halves (layout [2, 64, keys],
-warps [2, 4, 1]) whose two partial score tiles are summed across warps through shared
-memory; P.V then runs on each warp's own half of the dims. A key tile is copied once per
-token into shared memory (cp.async, two stages) and read by all 64 heads.
+which lets the tile be split the way the register file allows: H / 16 x 2 warps for H heads
+per program, warp (c, g) holds heads [16 g, 16 g + 16) and dims [256 c, 256 c + 256). Each
+warp keeps its Q slice in registers for the whole loop (64 registers) and owns the same
+slice of the output (128 fp32 registers). Q.K^T is a batched mma over the two dim halves
+(layout [2, H, keys], warps [2, H / 16, 1]) whose two partial score tiles are summed across
+warps through shared memory; P.V then runs on each warp's own half of the dims. A key tile
+is copied once per program into shared memory (cp.async, two stages) and read by all its
+heads. Rows ``sm80-2p-h64`` / ``sm80-2p-h32`` of kernels/sparse_mla_decode.py select it
+(``Tile.gluon_heads``); it is not the default (docs/sparse-mla-decode.md says why).
 
 Inputs are phase 1's workspace rows and validity bytes (``_predequant_kernel``); outputs are
 those of ``_sparse_mla_decode_kernel``: with SPLIT the (m, l, acc) partials for the
@@ -23,7 +25,7 @@ The scores sum in another fp32 order than the Triton kernels (partial sums of th
 halves, then the scale); the tests hold it to the same fp32 reference bound.
 
 Gluon has no interpreter: CPU tests compile it for sm_80/sm_86 (compile gate) and check
-its selection; its numerics are tested on a GPU (tests/test_sparse_mla_decode_h64.py).
+its selection; its numerics are tested on a GPU (tests/test_sparse_mla_decode_gluon.py).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ except ImportError:  # pragma: no cover - exercised only with an older Triton
     gluon = gl = async_copy = mma_v2 = None
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "DSPLIT", "HEADS", "SIGNATURE", "attend_rows_h64",
+__all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "DSPLIT", "HEADS", "SIGNATURE", "attend_rows",
            "ctas_per_sm", "warps"]
 
 # Heads per program (``H``): 64 (one program per token of a 64-head model) or 32 (two). The
@@ -74,7 +76,7 @@ def ctas_per_sm(block_h: int) -> int:
 
 if AVAILABLE:
     @gluon.jit(do_not_specialize=["num_heads", "num_splits"])
-    def _attend_rows_h64_kernel(
+    def _attend_rows_kernel(
         q_ptr, ws_ptr, valid_ptr, main_indptr_ptr, extra_indptr_ptr, sink_ptr, out_ptr,
         part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, cs_ptr,
         q_stride0, q_stride1, out_stride0, out_stride1, cs_stride,
@@ -201,13 +203,13 @@ if AVAILABLE:
             inv_l = gl.where(l_i > 0.0, 1.0 / gl.maximum(l_i, 1e-30), 0.0)
             o = acc * gl.expand_dims(gl.expand_dims(inv_l, 1), 0)
             if INV_ROPE:
-                o = _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT, H)
+                o = _inv_rope_gptj_slices(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT, H)
             gl.store(out_ptr + tok.to(gl.int64) * out_stride0
                      + heads[None, :, None].to(gl.int64) * out_stride1 + cols,
                      o.to(gl.bfloat16), mask=hmask3)
 
     @gluon.jit
-    def _inv_rope_gptj_h64(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT: gl.constexpr,
+    def _inv_rope_gptj_slices(o, pos_ptr, cs_ptr, cs_stride, tok, DSPLIT: gl.constexpr,
                            H: gl.constexpr):
         """The decode kernel's inverse GPT-J RoPE (kernels/sparse_mla_decode.py
         ``_inv_rope_gptj``) on the [DSPLIT, H, 512 / DSPLIT] fp32 output slices: pair
@@ -230,7 +232,7 @@ if AVAILABLE:
                        [DSPLIT, H, 512 // DSPLIT])
         return gl.convert_layout(o, OL)  # the same placement: no data moves
 else:  # pragma: no cover
-    _attend_rows_h64_kernel = None
+    _attend_rows_kernel = None
 
 # Compile-gate and model signature (pointer dtypes as the launcher passes them).
 SIGNATURE = {
@@ -243,11 +245,11 @@ SIGNATURE = {
 }
 
 
-def attend_rows_h64(grid, q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l,
+def attend_rows(grid, q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l,
                     part_acc, pos, cs, cs_stride, qk_scale, heads, num_splits, *, has_extra,
                     has_sink, split, inv_rope, dsplit=None, block_h=None):
     """Launch the kernel (arguments as the Triton phase 2's; the caller validated them)."""
-    _attend_rows_h64_kernel[grid](
+    _attend_rows_kernel[grid](
         q, ws, valid, main_indptr, extra_indptr, sink, out, part_m, part_l, part_acc, pos, cs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), cs_stride,
         qk_scale, heads, num_splits,
