@@ -99,18 +99,19 @@ class Cand:
                 "phase1": ("phase1",)}[self.kind]
 
 
-def candidates() -> list[Cand]:
+def candidates(wide: bool = False) -> list[Cand]:
     """The default (today's sm80-2p row and phase-1 constants) first; phase-2 tiles with
     today's phase 1; phase-1 settings with today's phase 2; the 2-warp phase 2 (the model's
-    pick) with the phase-1 settings the model ranks next."""
+    pick) with the phase-1 settings the model ranks next. ``wide``: also 64 heads per
+    program (only a raised --smem-limit keeps them: not built otherwise)."""
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
     t = smd.TILES["sm80-2p"]
     d = Cand(t.block_h, t.block_n, t.num_warps, t.num_stages, smd.PREDEQUANT_BLOCK_N,
              smd.PREDEQUANT_WARPS, smd.PREDEQUANT_PROGRAMS_PER_SM, t.predequant_decode)
     out = [d]
-    # 64 heads per program (Q [64, 512] bf16 alone is 64 KiB): only a raised --smem-limit
-    # keeps them (what a larger sm_80 budget would buy; the A100 allows 163 KiB per block).
-    for h in (16, 32, 64):
+    # 64 heads per program (Q [64, 512] bf16 alone is 64 KiB): only with a raised
+    # --smem-limit (what a larger sm_80 budget would buy; the A100 allows 163 KiB per block).
+    for h in (16, 32, 64) if wide else (16, 32):
         for n in (16, 32):
             for w in (2, 4, 8):
                 for s in (1, 2, 3):
@@ -439,7 +440,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="only candidates whose name contains one of these "
                     "comma-separated strings")
     args = ap.parse_args(argv)
-    cands = candidates()
+    cands = candidates(wide=args.smem_limit > SMEM_LIMIT)
     if args.only:
         cands = [c for c in cands if any(o in c.name for o in args.only.split(","))
                  or c.kind == "default"]

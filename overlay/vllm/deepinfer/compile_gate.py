@@ -134,9 +134,8 @@ def compile_spec(spec: GateSpec, cc: int):
         from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     attrs = None
     if spec.aligned_pointers:
-        params = [n for n in spec.signature]
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(params)
-                 if spec.signature[n].startswith("*")}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values())
+                 if ty.startswith("*")}
     src = ASTSource(spec.kernel, dict(spec.signature), dict(spec.constexprs), attrs)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32),
                           options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
