@@ -56,6 +56,24 @@ def test_selection(g):
                                                                     smd.TILES[TRITON_ROW], 132)
 
 
+def test_fallback_is_logged_once_per_reason(monkeypatch, caplog):
+    import logging
+    smd._gluon_fallback.cache_clear()
+    monkeypatch.setattr(glk, "AVAILABLE", False)
+    t = smd.TILES["sm80-2p-h64"]
+    with caplog.at_level(logging.INFO, logger="vllm.deepinfer"):
+        assert not smd.uses_gluon(t, 64)
+        assert not smd.uses_gluon(t, 128)
+    msgs = [r.getMessage() for r in caplog.records if "Gluon phase-2 row" in r.getMessage()]
+    assert msgs == ["deepinfer: sparse_mla_decode: a Gluon phase-2 row runs the Triton phase 2 "
+                    "(this Triton has no Gluon)"]
+    # The plan is then the Triton phase 2's.
+    assert smd.launch_plan(64, 64, 640.0, t, 108) == smd.launch_plan(
+        64, 64, 640.0, smd.TILES[TRITON_ROW], 108)
+    assert not smd.uses_gluon(smd.TILES[TRITON_ROW], 64)  # not a Gluon row: nothing to say
+    smd._gluon_fallback.cache_clear()
+
+
 @pytest.mark.skipif(not glk.AVAILABLE or arch.interpreting(), reason="Gluon on a GPU only")
 def test_launch_plan_counts_the_gluon_residency():
     t64, t32 = smd.TILES["sm80-2p-h64"], smd.TILES["sm80-2p-h32"]

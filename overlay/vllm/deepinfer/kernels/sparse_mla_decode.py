@@ -35,6 +35,8 @@ docs/sparse-mla-decode.md for the tile choices and their compile-gate figures.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 import os
 
@@ -646,9 +648,26 @@ def choose_num_splits(tokens: int, head_tiles: int, avg_keys: float, tile: Tile,
 
 
 def uses_gluon(tile: Tile, heads: int) -> bool:
-    """Whether a launch of ``heads`` heads on ``tile`` runs phase 2 as the Gluon kernel."""
-    return bool(tile.predequant and tile.gluon_heads and heads >= tile.gluon_heads
-                and glk.AVAILABLE and not arch.interpreting())
+    """Whether a launch of ``heads`` heads on ``tile`` runs phase 2 as the Gluon kernel. A
+    Gluon row that cannot (no Gluon in this Triton, the interpreter, fewer heads than its
+    program holds) runs the Triton phase 2 and says so once per reason."""
+    if not (tile.predequant and tile.gluon_heads):
+        return False
+    if not glk.AVAILABLE:
+        _gluon_fallback("this Triton has no Gluon")
+    elif arch.interpreting():
+        _gluon_fallback("the Triton interpreter runs no Gluon kernel")
+    elif heads < tile.gluon_heads:
+        _gluon_fallback(f"{heads} heads, fewer than the {tile.gluon_heads} of one program")
+    else:
+        return True
+    return False
+
+
+@functools.cache
+def _gluon_fallback(reason: str) -> None:
+    logging.getLogger("vllm.deepinfer").info(
+        "deepinfer: sparse_mla_decode: a Gluon phase-2 row runs the Triton phase 2 (%s)", reason)
 
 
 def phase2_tile(tile: Tile, heads: int) -> Tile:
