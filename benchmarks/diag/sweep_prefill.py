@@ -79,6 +79,8 @@ CANDIDATES = [
     ("sm90-ls2", T(64, 64, 8, 2, loop_stages=2), (90,)),
     ("sm90-u2", T(64, 64, 8, 2, unroll=2), (90,)),
     ("sm90-h128-n32-w16", T(128, 32, 16, 2), (90,)),
+    # The Gluon producer/consumer kernel (kernels/sparse_mla_prefill_gluon.py).
+    ("sm90-gws", spm.TILES["sm90-gws"], (90,)),
 ]
 # Shared memory an Ampere build may use (arch.VARIANTS["sm80"].smem_budget).
 AMPERE_BUDGET = 48 * 1024
@@ -141,9 +143,12 @@ def _per_kq(rec: dict, block_h: int, block_n: int, warps: int) -> dict:
 
 def gate_ours(name: str, tile, cc: int) -> dict:
     from vllm.deepinfer.compile_gate import GateSpec, compile_spec
-    spec = GateSpec(name=name, kernel=spm._sparse_mla_prefill_kernel, signature=spm._SIG,
-                    constexprs=spm.gate_constexprs(tile), variants=("sm80",),
-                    num_warps=tile.num_warps, num_stages=tile.num_stages)
+    if tile.gluon_ws:
+        spec = spm.gluon_ws_spec(name)
+    else:
+        spec = GateSpec(name=name, kernel=spm._sparse_mla_prefill_kernel, signature=spm._SIG,
+                        constexprs=spm.gate_constexprs(tile), variants=("sm80",),
+                        num_warps=tile.num_warps, num_stages=tile.num_stages)
     rec = {"name": name, "cc": cc, "tile": list(tile.__dict__.values())}
     try:
         # (a ptxas failure prints the whole PTX to stdout: kept out of the sweep's output)
@@ -155,7 +160,12 @@ def gate_ours(name: str, tile, cc: int) -> dict:
         why = next((ln for ln in lines if "ptxas fatal" in ln), lines[-1]).strip()
         return {**rec, "error": f"{type(e).__name__}: {why[:200]}"}
     rec.update(shared=int(k.metadata.shared), **_resources(k.asm["cubin"]))
-    rec["per_kq"] = _per_kq(rec, tile.block_h, tile.block_n, tile.num_warps)
+    if tile.gluon_ws:
+        # The longest loop is one consumer warpgroup's: a pair of 64-key blocks per
+        # iteration, run by the 8 consumer warps together.
+        rec["per_kq"] = _per_kq(rec, 64, 128, 8)
+    else:
+        rec["per_kq"] = _per_kq(rec, tile.block_h, tile.block_n, tile.num_warps)
     if cc < 89:
         rec["within_ampere_budget"] = rec["shared"] <= AMPERE_BUDGET
     if cc == 90:

@@ -42,6 +42,9 @@ class GateSpec:
     # torch allocations. For kernels that cannot compile without it (a cp.async of 16 B
     # needs the alignment proven); the others are gated without hints, their worst case.
     aligned_pointers: bool = False
+    # Registers per thread the build may assume (Triton's maxnreg option; None: not set). A
+    # warp-specialized kernel sizes its partitions' setmaxnreg budgets from it.
+    maxnreg: int | None = None
 
     @property
     def targets(self) -> tuple[int, ...]:
@@ -137,8 +140,10 @@ def compile_spec(spec: GateSpec, cc: int):
         attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values())
                  if ty.startswith("*")}
     src = ASTSource(spec.kernel, dict(spec.signature), dict(spec.constexprs), attrs)
-    return triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    if spec.maxnreg is not None:
+        options["maxnreg"] = spec.maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
 
 
 def check(spec: GateSpec, cc: int, want_regs: bool = True) -> GateResult:

@@ -42,6 +42,8 @@ docs/sparse-mla-prefill.md has the tile choices and their compile-gate figures.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 
 import torch
@@ -52,6 +54,7 @@ from vllm.deepinfer import arch
 from vllm.deepinfer.compile_gate import GateSpec, register
 from vllm.deepinfer.kernels.checks import (FLOAT_DTYPES, INDEX_DTYPES, check, check_mla_query,
                                            check_tensor)
+from vllm.deepinfer.kernels import sparse_mla_prefill_gluon as glp
 from vllm.deepinfer.kernels.qk_halves import halves_start, halves_step
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, ROPE_DIM
 from vllm.deepinfer.kv_record import TL_HEAD_DIM as _D  # 512 columns per key row and query
@@ -107,6 +110,11 @@ class Tile:
     # through one accumulator; two halves give the scheduler two independent chains (the
     # two-phase Ampere decode's Tile.qk_halves, measured there first).
     qk_halves: bool = False
+    # Hopper: run kernels/sparse_mla_prefill_gluon.py (producer and consumer warpgroups,
+    # 64 heads x 64-key blocks) instead of the Triton kernel. The other fields then describe
+    # the Triton tile a launch falls back to where that kernel cannot run (no Gluon, the
+    # interpreter, a GPU below sm_90, unaligned rows); ``uses_gluon_ws`` decides.
+    gluon_ws: bool = False
 
     def __post_init__(self):
         if self.qk_halves and (self.split_d != 1 or self.rescale_tau):
@@ -157,6 +165,8 @@ TILES: dict[str, Tile] = {
     # of 64 KiB = 197 KiB of 227, 8 warps (two warpgroups split the 512 output columns:
     # 128 accumulator registers each), no spills.
     "sm90": Tile(block_h=64, block_n=64, num_warps=8, num_stages=2),
+    # The Gluon producer/consumer kernel, falling back to the sm90 tile above.
+    "sm90-gws": Tile(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon_ws=True),
     # Blackwell 10.x/12.x, not measured: 99 KiB per block (12.x) rules out the Hopper tile;
     # the Ampere tile fits.
     "sm100": _AMPERE,
@@ -385,6 +395,33 @@ def _aligned(*tensors_and_strides) -> bool:
                for t, strides in tensors_and_strides)
 
 
+def uses_gluon_ws(tile: Tile, device: torch.device, aligned: bool) -> bool:
+    """Whether a launch on ``tile`` runs the Gluon producer/consumer kernel. A ``gluon_ws``
+    row that cannot (no Gluon in this Triton, the interpreter, a device below sm_90, rows not
+    16-byte aligned) runs its Triton tile and says so once per reason."""
+    if not tile.gluon_ws:
+        return False
+    if not glp.AVAILABLE:
+        _gluon_fallback("this Triton has no Gluon")
+    elif arch.interpreting() or device.type != "cuda":
+        _gluon_fallback("the Triton interpreter runs no Gluon kernel")
+    elif torch.cuda.get_device_capability(device)[0] * 10 < glp.MIN_CC:
+        cc = torch.cuda.get_device_capability(device)
+        _gluon_fallback(f"compute capability {cc[0]}.{cc[1]}: warp specialization needs 9.0")
+    elif not aligned:
+        _gluon_fallback("q, kv or out rows not 16-byte aligned")
+    else:
+        return True
+    return False
+
+
+@functools.cache
+def _gluon_fallback(reason: str) -> None:
+    logging.getLogger("vllm.deepinfer").info(
+        "deepinfer: sparse_mla_prefill: the Gluon producer/consumer row runs the Triton tile "
+        "(%s)", reason)
+
+
 def _dot_fp32() -> bool:
     """The interpreter's bf16 tl.dot is wrong (tests/interp_bf16.py); fp32 operands there."""
     return arch.interpreting()
@@ -475,6 +512,9 @@ def sparse_attn_prefill(q, kv, scale, attn_sink, nope_head_dim, rope_head_dim, *
     block_h, head_tiles = launch_plan(heads, tile)
     aligned = _aligned((q, (q.stride(0), q.stride(1))), (kv, (kv.stride(0),)),
                        (out, (out.stride(0), out.stride(1))))
+    if uses_gluon_ws(tile, dev, aligned):
+        return glp.attend(q, kv, idx, ptr, attn_sink if has_sink else out, out, idx_stride0,
+                          width, float(scale) * LOG2E.value, dense=dense, has_sink=has_sink)
     _sparse_mla_prefill_kernel[(tokens * head_tiles,)](
         q, kv, idx, ptr, attn_sink if has_sink else out, out,
         q.stride(0), q.stride(1), kv.stride(0), idx_stride0, out.stride(0), out.stride(1),
@@ -515,12 +555,24 @@ def _loop_constexprs(tile: Tile) -> dict:
                 QK_HALVES=tile.qk_halves)
 
 
+def gluon_ws_spec(name: str = "sparse_mla_prefill.gluon_ws[sm90]", **overrides) -> GateSpec:
+    """The Gluon producer/consumer kernel's production launch (dense lists, sink, 512-wide
+    output) as a compile-gate spec; ``overrides`` replace constexprs (the sweep's register
+    splits)."""
+    return GateSpec(name=name, kernel=glp._prefill_ws_kernel, signature=glp.SIGNATURE,
+                    constexprs={**glp.gate_constexprs(), **overrides}, variants=("sm90",),
+                    num_warps=glp.NUM_WARPS, feature=FEATURE, aligned_pointers=True,
+                    maxnreg=glp.MAXNREG)
+
+
 def _register() -> None:
     for v in GATE_VARIANTS:
         t = TILES[v]
         register(GateSpec(name=f"sparse_mla_prefill[{v}]", kernel=_sparse_mla_prefill_kernel,
                           signature=_SIG, constexprs=gate_constexprs(t), variants=(v,),
                           num_warps=t.num_warps, num_stages=t.num_stages, feature=FEATURE))
+    if glp.AVAILABLE:
+        register(gluon_ws_spec())
 
 
 _register()

@@ -1,0 +1,391 @@
+"""Sparse MLA prefill for Hopper with producer and consumer warpgroups (Gluon, wgmma).
+
+The Triton sm90 tile of kernels/sparse_mla_prefill.py runs every step of a key tile in the
+same 8 warps: gather, Q.K^T (which both warpgroups compute whole: 1.5x the useful tensor
+work), softmax, P.V. Its steps take turns and it reaches about 31% of the H200's bf16 matmul
+rate (docs/sparse-mla-prefill.md). This kernel gives each step its own warps:
+
+* grid (tokens x head tiles of 64): one program owns 64 heads of one token (wgmma's M);
+* a producer warpgroup gathers the token's key rows from the bf16 workspace with cp.async
+  into four shared-memory buffers, two 64-key blocks x two 256-dim halves, and signals each
+  buffer on an mbarrier when its copies land (``cp.async.mbarrier.arrive``);
+* consumer warpgroup 0 takes the even key blocks, consumer 1 the odd ones: each computes its
+  block's whole 64 x 64 score tile (Q.K^T over 512 dims, Q and K from shared memory), so no
+  score is computed twice and the two blocks' wgmmas run side by side;
+* the softmax max is chained through shared memory (WG0 publishes its running max, WG1
+  folds in its block's and publishes the pair's max, WG0 rescales its P to it), so both
+  warpgroups keep the same running max;
+* each consumer owns half of the 512 output columns: WG0 accumulates P0.V0[:, :256] (P from
+  registers) and P1.V1[:, :256] (WG1's P from shared memory), WG1 the other half
+  (128 fp32 accumulator registers each);
+* buffer reuse is signalled back to the producer by mbarriers; the softmax sums of the two
+  consumers are added once, at the end.
+
+The hand-off order (which warpgroup frees which half-buffer when) follows the one
+FlashMLA's sm90 sparse prefill describes for the same 64-head x 64-key blocks (its
+``csrc/sm90/prefill/sparse``); this is a separate implementation in Gluon over this
+project's inputs: dense rows with lengths or ragged lists (as ``_sparse_mla_prefill_kernel``
+takes them), entries < 0 or >= rows skipped, the per-head sink in the denominator, zeros
+where the softmax sum is not positive, a 448- or 512-wide output.
+
+Gluon has no interpreter and warp specialization needs sm_90: CPU tests compile it for
+sm_90 (compile gate) and check its selection; its numerics are tested on a GPU
+(tests/test_sparse_mla_prefill_gluon.py).
+"""
+from __future__ import annotations
+
+import triton
+
+try:  # Gluon ships with Triton 3.6; the Triton tile serves where it is missing.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
+                                                                  mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised only with an older Triton
+    gluon = gl = async_copy = fence_async_shared = mbarrier = None
+    warpgroup_mma = warpgroup_mma_wait = None
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "NUM_WARPS", "SIGNATURE", "MAXNREG", "MIN_CC",
+           "attend", "gate_constexprs"]
+
+# Heads per program: wgmma's M for one warpgroup. Fewer heads are masked rows.
+BLOCK_H = 64
+# Keys per block (one consumer's score tile is [64 heads, 64 keys]). Shared memory: Q
+# [64, 512] bf16 64 KiB + two blocks of [64, 512] bf16 128 KiB + two P tiles [64, 64] bf16
+# 16 KiB = 208 KiB of the 227 KiB an sm_90 block may have, so no deeper ring fits.
+BLOCK_N = 64
+# Warps of the default partition (consumer warpgroup 0); the two workers (consumer 1 and
+# the producer) add 4 each: 12 warps, 384 threads.
+NUM_WARPS = 4
+# Register budget: 65,536 per SM / 384 threads = 170, rounded down to the 8-register
+# granularity of setmaxnreg. Consumer 1 gets CONSUMER_REGS, the producer PRODUCER_REGS and
+# consumer 0 the rest: 168 * 3 - 224 - 56 = 224. A consumer holds a [64, 256] fp32
+# accumulator (128 registers) and a [64, 64] fp32 score tile (32); the producer addresses
+# (4 row pointers per thread per 16-row copy). The sm_90 SASS (Triton 3.6): consumers use up
+# to 210 and 221 registers, no spills; with 232 / 40 the producer spilled 6 values (48 B of
+# stack), with 216 / 72 nothing spills either.
+MAXNREG = 168
+CONSUMER_REGS = 224
+PRODUCER_REGS = 56
+# Warp specialization and wgmma: sm_90 and later (the kernel is built for sm_90a).
+MIN_CC = 90
+
+if AVAILABLE:
+    @gluon.jit
+    def _key_list(ptr_ptr, tok, idx_stride0, width, DENSE: gl.constexpr):
+        """(first index entry, key count) of token ``tok``'s list (as the Triton kernel's
+        ``_key_list``)."""
+        if DENSE:
+            start = tok * idx_stride0
+            n = gl.minimum(gl.maximum(gl.load(ptr_ptr + tok), 0), width).to(gl.int32)
+        else:
+            start = gl.load(ptr_ptr + tok).to(gl.int64)
+            n = (gl.load(ptr_ptr + tok + 1) - start).to(gl.int32)
+        return start, n
+
+    @gluon.jit
+    def _block_valid(idx_ptr, start, k0, n, num_rows, N: gl.constexpr, COL: gl.constexpr):
+        """Validity [N] (layout COL) of keys k0 .. k0 + N of the list."""
+        j = k0 + gl.arange(0, N, COL)
+        slot = gl.load(idx_ptr + start + j, mask=j < n, other=-1)
+        return (slot >= 0) & (slot < num_rows)
+
+    @gluon.jit
+    def _opaque_zero(x):
+        """0, as a value the compiler cannot see through (one mov per call). A shared-memory
+        buffer index built from it is recomputed where it is used, so the wgmma descriptors of
+        the loop are not all hoisted out of it: 76 of them per iteration, which overflow the
+        uniform registers and then spill (seen in the sm_90 SASS before this)."""
+        return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _copy_rows(buf, idx_ptr, start, k0, n, kv_ptr, kv_stride0, num_rows, col0):
+        """cp.async keys k0 .. k0 + 64 of the list, dims [col0, col0 + 256), into ``buf``
+        [64, 256] (invalid keys: zeros), 16 rows at a time (4 row pointers per thread)."""
+        R: gl.constexpr = 16
+        # 8 bf16 (16 B) per thread per copy; a warp covers one 256-dim row half.
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        cols = col0 + gl.arange(0, 256, gl.SliceLayout(0, LD))
+        for c in gl.static_range(64 // R):
+            j = k0 + c * R + gl.arange(0, R, gl.SliceLayout(1, LD))
+            slot = gl.load(idx_ptr + start + j, mask=j < n, other=-1)
+            ok = (slot >= 0) & (slot < num_rows)
+            rows = gl.multiple_of(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * kv_stride0, 16)
+            async_copy.async_copy_global_to_shared(buf.slice(c * R, R), rows[:, None] + cols[None, :],
+                                                   mask=ok[:, None])
+
+    @gluon.jit
+    def _producer(q_ptr, kv_ptr, idx_ptr, ptr_ptr, q_stride0, q_stride1, kv_stride0,
+                  idx_stride0, num_rows, num_heads, head_tiles, width, q_smem, k_smem,
+                  bars, DENSE: gl.constexpr):
+        """Gather Q once, then each pair of key blocks into the four half-buffers."""
+        H: gl.constexpr = 64
+        N: gl.constexpr = 64
+        HD: gl.constexpr = 256
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        pid = gl.program_id(0)
+        tok = (pid // head_tiles).to(gl.int64)
+        hb = pid % head_tiles
+        cols = gl.arange(0, HD, gl.SliceLayout(0, LD))
+        heads = hb * H + gl.arange(0, H, gl.SliceLayout(1, LD))
+        q_rows = gl.multiple_of(q_ptr + tok * q_stride0 + heads.to(gl.int64) * q_stride1, 16)
+        hmask = (heads < num_heads)[:, None]
+        async_copy.async_copy_global_to_shared(q_smem.index(0), q_rows[:, None] + cols[None, :],
+                                               mask=hmask)
+        async_copy.async_copy_global_to_shared(q_smem.index(1),
+                                               q_rows[:, None] + HD + cols[None, :], mask=hmask)
+        async_copy.mbarrier_arrive(bars.index(0), increment_count=False)
+
+        start, n = _key_list(ptr_ptr, tok, idx_stride0, width, DENSE)
+        for pair in range(gl.cdiv(n, 2 * N)):
+            ph = pair & 1
+            k0 = pair * 2 * N
+            # Half-buffer b = 2 * block + half; ready barrier 1 + b, free barrier 5 + b.
+            # Filled in the order the consumers free them: block 0's left half first, block
+            # 1's left half last.
+            mbarrier.wait(bars.index(5 + 0), ph ^ 1)
+            _copy_rows(k_smem.index(0), idx_ptr, start, k0, n, kv_ptr, kv_stride0, num_rows, 0)
+            async_copy.mbarrier_arrive(bars.index(1 + 0), increment_count=False)
+            mbarrier.wait(bars.index(5 + 3), ph ^ 1)
+            _copy_rows(k_smem.index(3), idx_ptr, start, k0 + N, n, kv_ptr, kv_stride0, num_rows,
+                       HD)
+            async_copy.mbarrier_arrive(bars.index(1 + 3), increment_count=False)
+            mbarrier.wait(bars.index(5 + 1), ph ^ 1)
+            _copy_rows(k_smem.index(1), idx_ptr, start, k0, n, kv_ptr, kv_stride0, num_rows, HD)
+            async_copy.mbarrier_arrive(bars.index(1 + 1), increment_count=False)
+            mbarrier.wait(bars.index(5 + 2), ph ^ 1)
+            _copy_rows(k_smem.index(2), idx_ptr, start, k0 + N, n, kv_ptr, kv_stride0, num_rows,
+                       0)
+            async_copy.mbarrier_arrive(bars.index(1 + 2), increment_count=False)
+
+    @gluon.jit
+    def _epilogue(o, m_run, l_run, l_smem, bars, sink_ptr, out_ptr, out_stride0, out_stride1,
+                  num_heads, head_tiles, WG: gl.constexpr, HAS_SINK: gl.constexpr,
+                  OUT_D: gl.constexpr, ACC_O: gl.constexpr):
+        """Add the other consumer's softmax sum, apply the sink and store this consumer's
+        256 output columns."""
+        H: gl.constexpr = 64
+        HD: gl.constexpr = 256
+        ROW: gl.constexpr = gl.SliceLayout(1, ACC_O)
+        L2E: gl.constexpr = 1.4426950408889634
+        l_smem.index(WG).store(l_run)
+        mbarrier.arrive(bars.index(13 + WG), count=1)
+        mbarrier.wait(bars.index(14 - WG), 0)
+        l_run = l_run + l_smem.index(1 - WG).load(ROW)
+
+        pid = gl.program_id(0)
+        tok = (pid // head_tiles).to(gl.int64)
+        hb = pid % head_tiles
+        heads = hb * H + gl.arange(0, H, ROW)
+        hmask = heads < num_heads
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + heads, mask=hmask, other=0.0).to(gl.float32) * L2E
+            m_f = gl.maximum(m_run, sink)
+            alpha = gl.exp2(m_run - m_f)
+            l_f = l_run * alpha + gl.exp2(sink - m_f)
+            factor = alpha / gl.maximum(l_f, 1.0e-30)
+        else:
+            l_f = l_run
+            factor = 1.0 / gl.maximum(l_f, 1.0e-30)
+        factor = gl.where(l_f > 0.0, factor, 0.0)
+        o = o * factor[:, None]
+        o = gl.where((l_f > 0.0)[:, None], o, 0.0)
+        cols = WG * HD + gl.arange(0, HD, gl.SliceLayout(0, ACC_O))
+        rows = out_ptr + tok * out_stride0 + heads.to(gl.int64) * out_stride1
+        gl.store(rows[:, None] + cols[None, :], o.to(gl.bfloat16),
+                 mask=hmask[:, None] & (cols[None, :] < OUT_D))
+
+    @gluon.jit
+    def _consumer(idx_ptr, ptr_ptr, sink_ptr, out_ptr, idx_stride0, out_stride0, out_stride1,
+                  num_rows, num_heads, head_tiles, width, qk_scale, q_smem, k_smem, p_smem,
+                  m_smem, l_smem, bars, WG: gl.constexpr, DENSE: gl.constexpr,
+                  HAS_SINK: gl.constexpr, OUT_D: gl.constexpr):
+        """Consumer warpgroup WG (0: even key blocks, output columns [0, 256); 1: odd
+        blocks, columns [256, 512))."""
+        H: gl.constexpr = 64
+        N: gl.constexpr = 64
+        HD: gl.constexpr = 256
+        NEG: gl.constexpr = -3.4028234663852886e38  # the Triton kernel's NEG_LARGE
+        ACC_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, N, 16])
+        ACC_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HD, 16])
+        P_A: gl.constexpr = gl.DotOperandLayout(0, ACC_O, 2)
+        ROW: gl.constexpr = gl.SliceLayout(1, ACC_S)
+        COL: gl.constexpr = gl.SliceLayout(0, ACC_S)
+        OROW: gl.constexpr = gl.SliceLayout(1, ACC_O)
+
+        pid = gl.program_id(0)
+        tok = (pid // head_tiles).to(gl.int64)
+        start, n = _key_list(ptr_ptr, tok, idx_stride0, width, DENSE)
+
+        m_run = gl.full([H], NEG, gl.float32, ROW)
+        l_run = gl.zeros([H], gl.float32, ROW)
+        o = gl.zeros([H, HD], gl.float32, ACC_O)
+        mbarrier.wait(bars.index(0), 0)  # Q landed
+        for pair in range(gl.cdiv(n, 2 * N)):
+            ph = pair & 1
+            z = _opaque_zero(pair)
+            # This consumer's block: its two half-buffers are 2 * WG and 2 * WG + 1.
+            mbarrier.wait(bars.index(1 + 2 * WG), ph)
+            mbarrier.wait(bars.index(2 + 2 * WG), ph)
+            s = warpgroup_mma(q_smem.index(z), k_smem.index(z + 2 * WG).permute((1, 0)),
+                              gl.zeros([H, N], gl.float32, ACC_S), use_acc=False,
+                              is_async=True)
+            s = warpgroup_mma(q_smem.index(z + 1), k_smem.index(z + 2 * WG + 1).permute((1, 0)),
+                              s, is_async=True)
+            valid = _block_valid(idx_ptr, start, (2 * pair + WG) * N, n, num_rows, N, COL)
+            s = warpgroup_mma_wait(0, deps=[s])
+            s = gl.where(valid[None, :], s * qk_scale, NEG)
+            m_blk = gl.max(s, axis=1)
+            if WG == 0:
+                m_new = gl.maximum(m_run, m_blk)
+                m_smem.index(0).store(m_new)
+                mbarrier.arrive(bars.index(9), count=1)  # WG0's max is published
+            else:
+                mbarrier.wait(bars.index(9), ph)
+                m_new = gl.maximum(m_smem.index(0).load(ROW), m_blk)
+                m_smem.index(1).store(m_new)
+                mbarrier.arrive(bars.index(10), count=1)  # the pair's max is published
+            alpha = gl.exp2(m_run - m_new)
+            p = gl.exp2(s - m_new[:, None])
+            p = gl.where(valid[None, :], p, 0.0)
+            l_run = l_run * alpha + gl.sum(p, axis=1)
+            o = o * gl.convert_layout(alpha, OROW)[:, None]
+            if WG == 0:
+                # P0 . V0[:, :256] from registers while WG1 finishes the pair's max.
+                o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_A), k_smem.index(z),
+                                  o, is_async=True)
+                mbarrier.wait(bars.index(10), ph)
+                m_pair = m_smem.index(1).load(ROW)
+                beta = gl.exp2(m_new - m_pair)
+                p_smem.index(0).store((p * beta[:, None]).to(gl.bfloat16))
+                fence_async_shared()
+                mbarrier.arrive(bars.index(11), count=1)  # P0 (at the pair's max) is shared
+                o = warpgroup_mma_wait(0, deps=[o])
+                mbarrier.arrive(bars.index(5 + 0), count=1)  # block 0, left half: free
+                l_run = l_run * beta
+                o = o * gl.convert_layout(beta, OROW)[:, None]
+                m_run = m_pair
+                mbarrier.wait(bars.index(12), ph)  # WG1's P1
+                o = warpgroup_mma(p_smem.index(z + 1), k_smem.index(z + 2), o, is_async=True)
+                o = warpgroup_mma_wait(0, deps=[o])
+                mbarrier.arrive(bars.index(5 + 2), count=1)  # block 1, left half: free
+            else:
+                o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_A), k_smem.index(z + 3),
+                                  o, is_async=True)
+                p_smem.index(1).store(p.to(gl.bfloat16))
+                fence_async_shared()
+                mbarrier.arrive(bars.index(12), count=1)  # P1 is shared
+                mbarrier.wait(bars.index(11), ph)  # WG0's P0
+                o = warpgroup_mma(p_smem.index(z), k_smem.index(z + 1), o, is_async=True)
+                o = warpgroup_mma_wait(0, deps=[o])
+                mbarrier.arrive(bars.index(5 + 3), count=1)  # block 1, right half: free
+                mbarrier.arrive(bars.index(5 + 1), count=1)  # block 0, right half: free
+                m_run = m_new
+        _epilogue(o, gl.convert_layout(m_run, OROW), gl.convert_layout(l_run, OROW), l_smem,
+                  bars, sink_ptr, out_ptr, out_stride0, out_stride1, num_heads, head_tiles, WG,
+                  HAS_SINK, OUT_D, ACC_O)
+
+    @gluon.jit
+    def _consumer1(q_ptr, kv_ptr, idx_ptr, ptr_ptr, sink_ptr, out_ptr, q_stride0, q_stride1,
+                   kv_stride0, idx_stride0, out_stride0, out_stride1, num_rows, num_heads,
+                   head_tiles, width, qk_scale, q_smem, k_smem, p_smem, m_smem, l_smem, bars,
+                   DENSE: gl.constexpr, HAS_SINK: gl.constexpr, OUT_D: gl.constexpr):
+        _consumer(idx_ptr, ptr_ptr, sink_ptr, out_ptr, idx_stride0, out_stride0, out_stride1,
+                  num_rows, num_heads, head_tiles, width, qk_scale, q_smem, k_smem, p_smem,
+                  m_smem, l_smem, bars, 1, DENSE, HAS_SINK, OUT_D)
+
+    @gluon.jit
+    def _producer_part(q_ptr, kv_ptr, idx_ptr, ptr_ptr, sink_ptr, out_ptr, q_stride0,
+                       q_stride1, kv_stride0, idx_stride0, out_stride0, out_stride1, num_rows,
+                       num_heads, head_tiles, width, qk_scale, q_smem, k_smem, p_smem, m_smem,
+                       l_smem, bars, DENSE: gl.constexpr, HAS_SINK: gl.constexpr,
+                       OUT_D: gl.constexpr):
+        _producer(q_ptr, kv_ptr, idx_ptr, ptr_ptr, q_stride0, q_stride1, kv_stride0,
+                  idx_stride0, num_rows, num_heads, head_tiles, width, q_smem, k_smem, bars,
+                  DENSE)
+
+    @gluon.jit(do_not_specialize=["num_rows", "num_heads", "head_tiles"])
+    def _prefill_ws_kernel(
+        q_ptr, kv_ptr, idx_ptr, ptr_ptr, sink_ptr, out_ptr,
+        q_stride0, q_stride1, kv_stride0, idx_stride0, out_stride0, out_stride1,
+        num_rows, num_heads, head_tiles, width, qk_scale,
+        DENSE: gl.constexpr, HAS_SINK: gl.constexpr, OUT_D: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        """Grid (tokens * head_tiles,), 4 + 4 + 4 warps; arguments as
+        ``_sparse_mla_prefill_kernel``'s (``qk_scale`` = softmax scale * log2(e))."""
+        H: gl.constexpr = 64
+        N: gl.constexpr = 64
+        HD: gl.constexpr = 256
+        QK_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                     rank=2)
+        VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        # Q halves [2][64, 256]; key half-buffers [block * 2 + half][64 keys, 256 dims];
+        # the two shared P tiles; the published maxima and the final sums.
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H, HD], QK_SMEM)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [4, N, HD], QK_SMEM)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, H, N], QK_SMEM)
+        m_smem = gl.allocate_shared_memory(gl.float32, [2, H], VEC)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2, H], VEC)
+        # Barriers: 0 Q ready; 1-4 half-buffer ready (cp.async arrivals of the producer's
+        # 128 threads); 5-8 half-buffer free; 9 WG0's max; 10 the pair's max; 11 P0 shared;
+        # 12 P1 shared; 13, 14 WG0's / WG1's final sum.
+        bars = gl.allocate_shared_memory(gl.int64, [15, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(5):
+            mbarrier.init(bars.index(i), count=128)
+        for i in gl.static_range(5, 15):
+            mbarrier.init(bars.index(i), count=1)
+
+        gl.warp_specialize([
+            (_consumer, (idx_ptr, ptr_ptr, sink_ptr, out_ptr, idx_stride0, out_stride0,
+                         out_stride1, num_rows, num_heads, head_tiles, width, qk_scale, q_smem,
+                         k_smem, p_smem, m_smem, l_smem, bars, 0, DENSE, HAS_SINK, OUT_D)),
+            (_consumer1, (q_ptr, kv_ptr, idx_ptr, ptr_ptr, sink_ptr, out_ptr, q_stride0,
+                          q_stride1, kv_stride0, idx_stride0, out_stride0, out_stride1,
+                          num_rows, num_heads, head_tiles, width, qk_scale, q_smem, k_smem,
+                          p_smem, m_smem, l_smem, bars, DENSE, HAS_SINK, OUT_D)),
+            (_producer_part, (q_ptr, kv_ptr, idx_ptr, ptr_ptr, sink_ptr, out_ptr, q_stride0,
+                              q_stride1, kv_stride0, idx_stride0, out_stride0, out_stride1,
+                              num_rows, num_heads, head_tiles, width, qk_scale, q_smem, k_smem,
+                              p_smem, m_smem, l_smem, bars, DENSE, HAS_SINK, OUT_D)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+else:  # pragma: no cover
+    _prefill_ws_kernel = None
+
+# Compile-gate signature (pointer dtypes as the launcher passes them).
+SIGNATURE = {
+    "q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "ptr_ptr": "*i32",
+    "sink_ptr": "*fp32", "out_ptr": "*bf16",
+    **{k: "i32" for k in ("q_stride0", "q_stride1", "kv_stride0", "idx_stride0",
+                          "out_stride0", "out_stride1", "num_rows", "num_heads", "head_tiles",
+                          "width")},
+    "qk_scale": "fp32",
+    **{k: "constexpr" for k in ("DENSE", "HAS_SINK", "OUT_D", "CONSUMER_REGS",
+                                "PRODUCER_REGS")},
+}
+
+
+def gate_constexprs(dense: bool = True) -> dict:
+    """Constexprs of a production launch (sink, 512-wide output)."""
+    return dict(DENSE=dense, HAS_SINK=True, OUT_D=512, CONSUMER_REGS=CONSUMER_REGS,
+                PRODUCER_REGS=PRODUCER_REGS)
+
+
+def attend(q, kv, idx, ptr, sink, out, idx_stride0, width, qk_scale, *, dense, has_sink):
+    """Launch over every (token, 64-head tile) (the caller validated the arguments and
+    checked 16-byte alignment of q, kv and out rows)."""
+    tokens, heads = q.shape[0], q.shape[1]
+    head_tiles = triton.cdiv(heads, BLOCK_H)
+    _prefill_ws_kernel[(tokens * head_tiles,)](
+        q, kv, idx, ptr, sink, out,
+        q.stride(0), q.stride(1), kv.stride(0), idx_stride0, out.stride(0), out.stride(1),
+        kv.shape[0], heads, head_tiles, width, qk_scale,
+        DENSE=dense, HAS_SINK=has_sink, OUT_D=out.shape[2], CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    return out
