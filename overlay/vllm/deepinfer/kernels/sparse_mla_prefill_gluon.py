@@ -62,14 +62,15 @@ BLOCK_N = 64
 NUM_WARPS = 4
 # Register budget: 65,536 per SM / 384 threads = 170, rounded down to the 8-register
 # granularity of setmaxnreg. Consumer 1 gets CONSUMER_REGS, the producer PRODUCER_REGS and
-# consumer 0 the rest: 168 * 3 - 224 - 56 = 224. A consumer holds a [64, 256] fp32
-# accumulator (128 registers) and a [64, 64] fp32 score tile (32); the producer addresses
-# (4 row pointers per thread per 16-row copy). The sm_90 SASS (Triton 3.6): consumers use up
-# to 210 and 221 registers, no spills; with 232 / 40 the producer spilled 6 values (48 B of
-# stack), with 216 / 72 nothing spills either.
+# consumer 0 the rest: 168 * 3 - 224 - 40 = 240. A consumer holds a [64, 256] fp32
+# accumulator (128 registers) and a [64, 64] fp32 score tile (32); consumer 0 also holds the
+# next block's scores while its last P.V runs. The producer holds 4 row offsets per block.
+# Read from the sm_90 SASS (Triton 3.6): consumer 1 uses up to 220 registers, consumer 0 up
+# to 237, the producer 37, no spills; 232 / 40 (consumer 0: 232) spills nothing either,
+# 216 / 72 (consumer 0: 216) spills 23 values in consumer 0.
 MAXNREG = 168
 CONSUMER_REGS = 224
-PRODUCER_REGS = 56
+PRODUCER_REGS = 40
 # Warp specialization and wgmma: sm_90 and later (the kernel is built for sm_90a).
 MIN_CC = 90
 
@@ -103,20 +104,22 @@ if AVAILABLE:
                                          is_pure=False, pack=1)
 
     @gluon.jit
-    def _copy_rows(buf, idx_ptr, start, k0, n, kv_ptr, kv_stride0, num_rows, col0):
-        """cp.async keys k0 .. k0 + 64 of the list, dims [col0, col0 + 256), into ``buf``
-        [64, 256] (invalid keys: zeros), 16 rows at a time (4 row pointers per thread)."""
-        R: gl.constexpr = 16
-        # 8 bf16 (16 B) per thread per copy; a warp covers one 256-dim row half.
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    def _block_rows(idx_ptr, start, k0, n, num_rows, kv_stride0, RL: gl.constexpr):
+        """Row offsets (elements) and validity [64] (layout RL) of keys k0 .. k0 + 64 of the
+        list; invalid keys point at row 0 and are not copied."""
+        j = k0 + gl.arange(0, 64, RL)
+        slot = gl.load(idx_ptr + start + j, mask=j < n, other=-1)
+        ok = (slot >= 0) & (slot < num_rows)
+        return gl.where(ok, slot, 0).to(gl.int64) * kv_stride0, ok
+
+    @gluon.jit
+    def _copy_half(buf, kv_ptr, off, ok, col0, LD: gl.constexpr):
+        """cp.async dims [col0, col0 + 256) of 64 key rows into ``buf`` [64, 256] (invalid
+        rows: zeros, cp.async's src-size 0)."""
         cols = col0 + gl.arange(0, 256, gl.SliceLayout(0, LD))
-        for c in gl.static_range(64 // R):
-            j = k0 + c * R + gl.arange(0, R, gl.SliceLayout(1, LD))
-            slot = gl.load(idx_ptr + start + j, mask=j < n, other=-1)
-            ok = (slot >= 0) & (slot < num_rows)
-            rows = gl.multiple_of(kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * kv_stride0, 16)
-            async_copy.async_copy_global_to_shared(buf.slice(c * R, R), rows[:, None] + cols[None, :],
-                                                   mask=ok[:, None])
+        rows = gl.multiple_of(kv_ptr + off, 16)
+        async_copy.async_copy_global_to_shared(buf, rows[:, None] + cols[None, :],
+                                               mask=ok[:, None])
 
     @gluon.jit
     def _producer(q_ptr, kv_ptr, idx_ptr, ptr_ptr, q_stride0, q_stride1, kv_stride0,
@@ -126,40 +129,42 @@ if AVAILABLE:
         H: gl.constexpr = 64
         N: gl.constexpr = 64
         HD: gl.constexpr = 256
-        LD: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        # 8 bf16 (16 B) per copy; 8 threads cover 128 B of a row, a warp 4 rows: each thread
+        # copies 4 rows x 4 vectors of a half-buffer and keeps 4 row offsets per block.
+        LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        RL: gl.constexpr = gl.SliceLayout(1, LD)
         pid = gl.program_id(0)
         tok = (pid // head_tiles).to(gl.int64)
         hb = pid % head_tiles
-        cols = gl.arange(0, HD, gl.SliceLayout(0, LD))
-        heads = hb * H + gl.arange(0, H, gl.SliceLayout(1, LD))
-        q_rows = gl.multiple_of(q_ptr + tok * q_stride0 + heads.to(gl.int64) * q_stride1, 16)
-        hmask = (heads < num_heads)[:, None]
-        async_copy.async_copy_global_to_shared(q_smem.index(0), q_rows[:, None] + cols[None, :],
-                                               mask=hmask)
-        async_copy.async_copy_global_to_shared(q_smem.index(1),
-                                               q_rows[:, None] + HD + cols[None, :], mask=hmask)
+        heads = hb * H + gl.arange(0, H, RL)
+        q_off = tok * q_stride0 + heads.to(gl.int64) * q_stride1
+        hmask = heads < num_heads
+        _copy_half(q_smem.index(0), q_ptr, q_off, hmask, 0, LD)
+        _copy_half(q_smem.index(1), q_ptr, q_off, hmask, HD, LD)
         async_copy.mbarrier_arrive(bars.index(0), increment_count=False)
 
         start, n = _key_list(ptr_ptr, tok, idx_stride0, width, DENSE)
         for pair in range(gl.cdiv(n, 2 * N)):
             ph = pair & 1
-            k0 = pair * 2 * N
+            # Both blocks' rows first: the index loads are not behind the buffer waits.
+            off0, ok0 = _block_rows(idx_ptr, start, pair * 2 * N, n, num_rows, kv_stride0, RL)
+            off1, ok1 = _block_rows(idx_ptr, start, pair * 2 * N + N, n, num_rows, kv_stride0,
+                                    RL)
             # Half-buffer b = 2 * block + half; ready barrier 1 + b, free barrier 5 + b.
-            # Filled in the order the consumers free them: block 0's left half first, block
-            # 1's left half last.
+            # Filled in the order the consumers free them: block 0's left half (WG0, after
+            # its first P.V), block 1's right half and block 0's right half (WG1, after its
+            # two P.V), block 1's left half (WG0, last).
             mbarrier.wait(bars.index(5 + 0), ph ^ 1)
-            _copy_rows(k_smem.index(0), idx_ptr, start, k0, n, kv_ptr, kv_stride0, num_rows, 0)
+            _copy_half(k_smem.index(0), kv_ptr, off0, ok0, 0, LD)
             async_copy.mbarrier_arrive(bars.index(1 + 0), increment_count=False)
             mbarrier.wait(bars.index(5 + 3), ph ^ 1)
-            _copy_rows(k_smem.index(3), idx_ptr, start, k0 + N, n, kv_ptr, kv_stride0, num_rows,
-                       HD)
+            _copy_half(k_smem.index(3), kv_ptr, off1, ok1, HD, LD)
             async_copy.mbarrier_arrive(bars.index(1 + 3), increment_count=False)
             mbarrier.wait(bars.index(5 + 1), ph ^ 1)
-            _copy_rows(k_smem.index(1), idx_ptr, start, k0, n, kv_ptr, kv_stride0, num_rows, HD)
+            _copy_half(k_smem.index(1), kv_ptr, off0, ok0, HD, LD)
             async_copy.mbarrier_arrive(bars.index(1 + 1), increment_count=False)
             mbarrier.wait(bars.index(5 + 2), ph ^ 1)
-            _copy_rows(k_smem.index(2), idx_ptr, start, k0 + N, n, kv_ptr, kv_stride0, num_rows,
-                       0)
+            _copy_half(k_smem.index(2), kv_ptr, off1, ok1, 0, LD)
             async_copy.mbarrier_arrive(bars.index(1 + 2), increment_count=False)
 
     @gluon.jit
@@ -200,16 +205,29 @@ if AVAILABLE:
                  mask=hmask[:, None] & (cols[None, :] < OUT_D))
 
     @gluon.jit
+    def _softmax_step(s, valid, m_ref, m_run, l_run, o, qk_scale, ACC_O: gl.constexpr):
+        """Mask and scale the block's scores, take the new running max m_new = max(m_ref,
+        block max) and return (p, m_new, l_run, o) with l_run and o rescaled to m_new."""
+        NEG: gl.constexpr = -3.4028234663852886e38  # the Triton kernel's NEG_LARGE
+        s = gl.where(valid[None, :], s * qk_scale, NEG)
+        m_new = gl.maximum(m_ref, gl.max(s, axis=1))
+        alpha = gl.exp2(m_run - m_new)
+        p = gl.where(valid[None, :], gl.exp2(s - m_new[:, None]), 0.0)
+        l_run = l_run * alpha + gl.sum(p, axis=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, ACC_O))[:, None]
+        return p, m_new, l_run, o
+
+    @gluon.jit
     def _consumer(idx_ptr, ptr_ptr, sink_ptr, out_ptr, idx_stride0, out_stride0, out_stride1,
                   num_rows, num_heads, head_tiles, width, qk_scale, q_smem, k_smem, p_smem,
                   m_smem, l_smem, bars, WG: gl.constexpr, DENSE: gl.constexpr,
                   HAS_SINK: gl.constexpr, OUT_D: gl.constexpr):
         """Consumer warpgroup WG (0: even key blocks, output columns [0, 256); 1: odd
-        blocks, columns [256, 512))."""
+        blocks, columns [256, 512)). Barriers as ``_prefill_ws_kernel`` numbers them."""
         H: gl.constexpr = 64
         N: gl.constexpr = 64
         HD: gl.constexpr = 256
-        NEG: gl.constexpr = -3.4028234663852886e38  # the Triton kernel's NEG_LARGE
+        NEG: gl.constexpr = -3.4028234663852886e38
         ACC_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, N, 16])
         ACC_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -222,69 +240,95 @@ if AVAILABLE:
         pid = gl.program_id(0)
         tok = (pid // head_tiles).to(gl.int64)
         start, n = _key_list(ptr_ptr, tok, idx_stride0, width, DENSE)
+        pairs = gl.cdiv(n, 2 * N)
 
         m_run = gl.full([H], NEG, gl.float32, ROW)
         l_run = gl.zeros([H], gl.float32, ROW)
         o = gl.zeros([H, HD], gl.float32, ACC_O)
         mbarrier.wait(bars.index(0), 0)  # Q landed
-        for pair in range(gl.cdiv(n, 2 * N)):
-            ph = pair & 1
-            z = _opaque_zero(pair)
-            # This consumer's block: its two half-buffers are 2 * WG and 2 * WG + 1.
-            mbarrier.wait(bars.index(1 + 2 * WG), ph)
-            mbarrier.wait(bars.index(2 + 2 * WG), ph)
-            s = warpgroup_mma(q_smem.index(z), k_smem.index(z + 2 * WG).permute((1, 0)),
-                              gl.zeros([H, N], gl.float32, ACC_S), use_acc=False,
-                              is_async=True)
-            s = warpgroup_mma(q_smem.index(z + 1), k_smem.index(z + 2 * WG + 1).permute((1, 0)),
-                              s, is_async=True)
-            valid = _block_valid(idx_ptr, start, (2 * pair + WG) * N, n, num_rows, N, COL)
-            s = warpgroup_mma_wait(0, deps=[s])
-            s = gl.where(valid[None, :], s * qk_scale, NEG)
-            m_blk = gl.max(s, axis=1)
-            if WG == 0:
-                m_new = gl.maximum(m_run, m_blk)
+        if WG == 0:
+            # WG0 computes each next block's scores at the end of the pair before it (its
+            # left half first: the producer refills that buffer first), so they overlap
+            # the pair's last P.V.
+            s = gl.zeros([H, N], gl.float32, ACC_S)
+            valid = gl.zeros([N], gl.int1, COL)
+            if pairs > 0:
+                mbarrier.wait(bars.index(1), 0)
+                mbarrier.wait(bars.index(2), 0)
+                sa = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s,
+                                   use_acc=False, is_async=True)
+                sa = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), sa,
+                                   is_async=True)
+                valid = _block_valid(idx_ptr, start, 0, n, num_rows, N, COL)
+                s = warpgroup_mma_wait(0, deps=[sa])
+            for pair in range(pairs):
+                ph = pair & 1
+                z = _opaque_zero(pair)
+                p, m_new, l_run, o = _softmax_step(s, valid, m_run, m_run, l_run, o, qk_scale,
+                                                   ACC_O)
                 m_smem.index(0).store(m_new)
                 mbarrier.arrive(bars.index(9), count=1)  # WG0's max is published
-            else:
-                mbarrier.wait(bars.index(9), ph)
-                m_new = gl.maximum(m_smem.index(0).load(ROW), m_blk)
-                m_smem.index(1).store(m_new)
-                mbarrier.arrive(bars.index(10), count=1)  # the pair's max is published
-            alpha = gl.exp2(m_run - m_new)
-            p = gl.exp2(s - m_new[:, None])
-            p = gl.where(valid[None, :], p, 0.0)
-            l_run = l_run * alpha + gl.sum(p, axis=1)
-            o = o * gl.convert_layout(alpha, OROW)[:, None]
-            if WG == 0:
-                # P0 . V0[:, :256] from registers while WG1 finishes the pair's max.
+                # P0 . V0[:, :256] from registers.
                 o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_A), k_smem.index(z),
                                   o, is_async=True)
-                mbarrier.wait(bars.index(10), ph)
-                m_pair = m_smem.index(1).load(ROW)
-                beta = gl.exp2(m_new - m_pair)
-                p_smem.index(0).store((p * beta[:, None]).to(gl.bfloat16))
-                fence_async_shared()
-                mbarrier.arrive(bars.index(11), count=1)  # P0 (at the pair's max) is shared
                 o = warpgroup_mma_wait(0, deps=[o])
                 mbarrier.arrive(bars.index(5 + 0), count=1)  # block 0, left half: free
+                mbarrier.wait(bars.index(10), ph)  # the pair's max (WG1 folded its block in)
+                m_pair = m_smem.index(1).load(ROW)
+                beta = gl.exp2(m_new - m_pair)
+                p_smem.index(z).store((p * beta[:, None]).to(gl.bfloat16))
+                fence_async_shared()
+                mbarrier.arrive(bars.index(11), count=1)  # P0 (at the pair's max) is shared
                 l_run = l_run * beta
                 o = o * gl.convert_layout(beta, OROW)[:, None]
                 m_run = m_pair
                 mbarrier.wait(bars.index(12), ph)  # WG1's P1
-                o = warpgroup_mma(p_smem.index(z + 1), k_smem.index(z + 2), o, is_async=True)
-                o = warpgroup_mma_wait(0, deps=[o])
-                mbarrier.arrive(bars.index(5 + 2), count=1)  # block 1, left half: free
-            else:
-                o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_A), k_smem.index(z + 3),
-                                  o, is_async=True)
-                p_smem.index(1).store(p.to(gl.bfloat16))
+                oa = warpgroup_mma(p_smem.index(z + 1), k_smem.index(z + 2), o, is_async=True)
+                if pair + 1 < pairs:
+                    mbarrier.wait(bars.index(1), ph ^ 1)
+                    sa = warpgroup_mma(q_smem.index(z), k_smem.index(z).permute((1, 0)),
+                                       gl.zeros([H, N], gl.float32, ACC_S), use_acc=False,
+                                       is_async=True)
+                    valid = _block_valid(idx_ptr, start, (2 * pair + 2) * N, n, num_rows, N,
+                                         COL)
+                    o = warpgroup_mma_wait(1, deps=[oa])
+                    mbarrier.arrive(bars.index(5 + 2), count=1)  # block 1, left half: free
+                    mbarrier.wait(bars.index(2), ph ^ 1)
+                    sa = warpgroup_mma(q_smem.index(z + 1), k_smem.index(z + 1).permute((1, 0)),
+                                       sa, is_async=True)
+                    s = warpgroup_mma_wait(0, deps=[sa])
+                else:
+                    o = warpgroup_mma_wait(0, deps=[oa])
+                    mbarrier.arrive(bars.index(5 + 2), count=1)
+        else:
+            for pair in range(pairs):
+                ph = pair & 1
+                z = _opaque_zero(pair)
+                # Right half first: WG1 frees it before its left half comes back.
+                mbarrier.wait(bars.index(4), ph)
+                sa = warpgroup_mma(q_smem.index(z + 1), k_smem.index(z + 3).permute((1, 0)),
+                                   gl.zeros([H, N], gl.float32, ACC_S), use_acc=False,
+                                   is_async=True)
+                mbarrier.wait(bars.index(3), ph)
+                sa = warpgroup_mma(q_smem.index(z), k_smem.index(z + 2).permute((1, 0)), sa,
+                                   is_async=True)
+                valid = _block_valid(idx_ptr, start, (2 * pair + 1) * N, n, num_rows, N, COL)
+                s = warpgroup_mma_wait(0, deps=[sa])
+                mbarrier.wait(bars.index(9), ph)  # WG0's max
+                p, m_new, l_run, o = _softmax_step(s, valid, m_smem.index(0).load(ROW), m_run,
+                                                   l_run, o, qk_scale, ACC_O)
+                m_smem.index(1).store(m_new)
+                mbarrier.arrive(bars.index(10), count=1)  # the pair's max is published
+                o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_A),
+                                  k_smem.index(z + 3), o, is_async=True)
+                p_smem.index(z + 1).store(p.to(gl.bfloat16))
                 fence_async_shared()
                 mbarrier.arrive(bars.index(12), count=1)  # P1 is shared
                 mbarrier.wait(bars.index(11), ph)  # WG0's P0
                 o = warpgroup_mma(p_smem.index(z), k_smem.index(z + 1), o, is_async=True)
-                o = warpgroup_mma_wait(0, deps=[o])
+                o = warpgroup_mma_wait(1, deps=[o])
                 mbarrier.arrive(bars.index(5 + 3), count=1)  # block 1, right half: free
+                o = warpgroup_mma_wait(0, deps=[o])
                 mbarrier.arrive(bars.index(5 + 1), count=1)  # block 0, right half: free
                 m_run = m_new
         _epilogue(o, gl.convert_layout(m_run, OROW), gl.convert_layout(l_run, OROW), l_smem,
