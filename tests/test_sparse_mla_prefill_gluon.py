@@ -109,7 +109,7 @@ def test_hopper_build():
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert 208 * 1024 <= got["shared"] <= 227 * 1024, got
-    assert got["hgmma"] == 80, got
+    assert got["hgmma"] == 40 + 40 + 32, got
     assert got["local"] == 0 and got["stack"] == 0, got
     regs = {int(n) for _, n in got["setmaxnreg"]}
     assert {glp.CONSUMER_REGS, glp.PRODUCER_REGS} <= regs, got
