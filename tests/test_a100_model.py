@@ -318,3 +318,16 @@ print(json.dumps(us))
     assert r.returncode == 0, r.stderr[-2000:]
     us = json.loads(r.stdout.strip().splitlines()[-1])
     assert us["True"] < 0.9 * us["False"], us
+
+
+def test_prefill_model_leaves_the_gluon_kernel_out(monkeypatch):
+    """The sm90 row runs the warp-specialized Gluon kernel, which the model does not
+    simulate: its workload is refused with a message naming the Triton row, and results rows
+    that ran it (``impl`` gluon_ws) are skipped, not modelled as the Triton tile."""
+    import a100_model as m
+    shape = dict(tokens=2048, ctx=65536, topk=512, ratio=2, heads=64, keys=640)
+    with pytest.raises(m.ModelError, match="sm90-triton"):
+        m.prefill_workload(shape, "sm90", 90, m._prefill_bytes(shape))
+    row = {"kernel": "sparse_mla_prefill", "variant": "sm90", "impl": "gluon_ws",
+           "shape": shape, "ours_us": 450.0, "upstream_us": 1900.0}
+    assert m.prefill_rows({"rows": [row]}) == []

@@ -43,6 +43,9 @@ ACCURACY_SLACK = 1.05
 # The two shipped tiles: sm80 (16 heads, plain form on 2 warps) and sm90 (64 heads per
 # program, 8 warps); test_forms_with_growing_maxima also runs the split_d forms.
 VARIANTS = ["sm80", "sm90"]
+# On a GPU also the Triton tile the sm90 row falls back to (where sm90 runs the Gluon kernel
+# of kernels/sparse_mla_prefill_gluon.py); in the interpreter sm90 is that tile.
+GPU_VARIANTS = VARIANTS + ["sm90-triton"]
 SCALE = 1.0 / math.sqrt(D)
 
 
@@ -562,7 +565,7 @@ def test_gpu_production_shapes_vs_upstream(upstream, heads, topk, tokens):
         return float((d - bound).max()), float((d ** 2).mean().sqrt())
     up_excess, up_rms = err(theirs)
     assert up_excess <= 0
-    for v in VARIANTS:
+    for v in GPU_VARIANTS:
         ours = run(q, kv, idx, lens, sink, v)
         torch.cuda.synchronize()
         ex, r = err(ours)
@@ -577,7 +580,7 @@ def test_gpu_semantics_zero_rows_and_nope_output():
     idx[2] = -1
     lens[3] = 0
     kv[int(idx[4, 0])] = float("nan")
-    for v in VARIANTS:
+    for v in GPU_VARIANTS:
         out = run(q, kv, idx, lens, sink, v)
         assert torch.equal(out[2:5].float(), torch.zeros(3, 64, D, device="cuda")), v
         narrow = run(q, kv, idx, lens, sink, v, out=torch.empty(8, 64, NOPE,
@@ -634,6 +637,11 @@ def test_suite_code_path_cpu(device, upstream, monkeypatch):
         assert row[k] == 1.0, k
     assert [c[:3] for c in suite.cases(True)] == [(2048, 64 << 10, 512), (2048, 64 << 10, 8192)]
     assert len(suite.cases(False)) == 36
+    halves = suite.cases(False, "1/2") + suite.cases(False, "2/2")
+    assert sorted(halves) == sorted(suite.cases(False)) and len(halves) == 36
+    with pytest.raises(ValueError, match="DEEPINFER_SUITE_PART"):
+        suite.cases(False, "3/2")
+    assert row["impl"] == "triton"  # the interpreter runs no Gluon kernel
 
 
 def test_sweep_loop_mix_reads_the_longest_loop():

@@ -1,5 +1,6 @@
-"""The Hopper producer/consumer prefill kernel (kernels/sparse_mla_prefill_gluon.py, row
-``sm90-gws`` of kernels/sparse_mla_prefill.py, ``Tile.gluon_ws``).
+"""The Hopper producer/consumer prefill kernel (kernels/sparse_mla_prefill_gluon.py, the
+``sm90`` row of kernels/sparse_mla_prefill.py, ``Tile.gluon_ws``; ``sm90-triton`` is the
+Triton tile it falls back to).
 
 On CPU: its selection and fallback (the row runs the sm90 Triton tile where the Gluon
 kernel cannot run, and says why once), and its sm_90 build (shared memory within the
@@ -27,7 +28,8 @@ from vllm.deepinfer import arch
 from vllm.deepinfer.kernels import sparse_mla_prefill as spm
 from vllm.deepinfer.kernels import sparse_mla_prefill_gluon as glp
 
-ROW = "sm90-gws"
+ROW = "sm90"
+TRITON_ROW = "sm90-triton"
 
 hopper = pytest.mark.skipif(not (torch.cuda.is_available()
                                  and torch.cuda.get_device_capability()[0] >= 9),
@@ -37,9 +39,9 @@ hopper = pytest.mark.skipif(not (torch.cuda.is_available()
 # ----------------------------------------------------------------------------- CPU
 def test_row_is_the_sm90_tile_plus_the_switch():
     t = spm.TILES[ROW]
-    assert t.gluon_ws and not spm.TILES["sm90"].gluon_ws
-    assert dataclasses.replace(t, gluon_ws=False) == spm.TILES["sm90"]
-    assert not spm.uses_gluon_ws(spm.TILES["sm90"], torch.device("cpu"), True)
+    assert t.gluon_ws and not spm.TILES[TRITON_ROW].gluon_ws
+    assert dataclasses.replace(t, gluon_ws=False) == spm.TILES[TRITON_ROW]
+    assert not spm.uses_gluon_ws(spm.TILES[TRITON_ROW], torch.device("cpu"), True)
 
 
 def test_fallback_is_logged_once_per_reason(monkeypatch, caplog):
@@ -58,15 +60,15 @@ def test_fallback_is_logged_once_per_reason(monkeypatch, caplog):
 
 
 def test_row_runs_the_triton_tile_where_gluon_cannot(device):
-    """In the interpreter (and on CPU tensors) the row's output is the sm90 tile's, bit for
-    bit: the same kernel runs."""
+    """In the interpreter (and on CPU tensors) the row's output is the Triton tile's, bit
+    for bit: the same kernel runs."""
     if device != "cpu":
         pytest.skip("the fallback is exercised on CPU")
     q, kv, idx, sink = make(3, tokens=3, heads=16, rows=70, width=80, invalid=0.1,
                             device=device)
     lens = torch.tensor([80, 33, 0], dtype=torch.int32)
     a = run(q, kv, idx, lens, sink, ROW)
-    b = run(q, kv, idx, lens, sink, "sm90")
+    b = run(q, kv, idx, lens, sink, TRITON_ROW)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
@@ -216,7 +218,7 @@ def test_zero_rows_and_nope_output():
 @pytest.mark.gpu
 def test_unaligned_rows_fall_back_to_the_triton_tile():
     """A Q whose rows are not 16-byte aligned runs the Triton tile, with the same result as
-    the sm90 row."""
+    the sm90-triton row."""
     q, kv, idx, sink = make(13, tokens=3, heads=64, rows=200, width=150, device="cuda")
     lens = torch.tensor([150, 90, 10], dtype=torch.int32, device="cuda")
     wide = torch.zeros(3, 64, D + 1, dtype=q.dtype, device="cuda")
@@ -224,5 +226,5 @@ def test_unaligned_rows_fall_back_to_the_triton_tile():
     qs = wide[..., :D]
     assert not arch.interpreting()
     a = run(qs, kv, idx, lens, sink, ROW)
-    b = run(qs, kv, idx, lens, sink, "sm90")
+    b = run(qs, kv, idx, lens, sink, TRITON_ROW)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))

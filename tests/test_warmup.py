@@ -127,16 +127,25 @@ def test_indexer_logits_keys(variant):
 @pytest.mark.parametrize("variant,heads", [("sm80", 64), ("sm86", 64), ("sm90", 64),
                                            ("sm90", 128), ("sm90", 16)])
 def test_prefill_key_is_the_launchers_configuration(variant, heads):
+    from vllm.deepinfer.kernels import sparse_mla_prefill_gluon as glp
     shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=heads)
-    (key,) = wu.keys(shapes, variant, features=["sparse_mla_prefill"])
+    keys = wu.keys(shapes, variant, features=["sparse_mla_prefill"])
     tile = spm.TILES[variant]
+    # sm90's row runs the Gluon producer/consumer kernel (one key: its launch's constexprs
+    # and options, maxnreg included) and falls back to its Triton tile (the other key).
+    ws = [k for k in keys if k.kernel == "prefill_ws"]
+    assert len(ws) == (1 if tile.gluon_ws and glp.AVAILABLE else 0)
+    for k in ws:
+        assert dict(k.constexprs) == glp.gate_constexprs()
+        assert wu.launch_options(k) == {"num_warps": glp.NUM_WARPS, "maxnreg": glp.MAXNREG}
+    (key,) = [k for k in keys if k.kernel == "prefill"]
     c = dict(key.constexprs)
     assert c["BLOCK_H"] == spm.launch_plan(heads, tile)[0]
     assert c["DENSE"] and c["HAS_SINK"] and c["ALIGNED"] and not c["DOT_FP32"]
     assert (c["BLOCK_N"], c["SPLIT_D"], c["OUT_D"]) == (tile.block_n, tile.split_d, 512)
     assert (key.num_warps, key.num_stages) == (tile.num_warps, tile.num_stages)
     # On by default below 9.0 (sm80, sm86): the default key list holds this key; off on sm90.
-    default = [k for k in wu.keys(shapes, variant) if k.kernel == "prefill"]
+    default = [k for k in wu.keys(shapes, variant) if k.kernel.startswith("prefill")]
     assert default == ([key] if variant in ("sm80", "sm86") else [])
 
 
@@ -150,7 +159,8 @@ def test_env_switch_drops_a_feature(monkeypatch):
 def test_warmup_args_follow_the_signature():
     shapes = wu.ModelShapes(window=128, compress_ratios=(1,), topk=512, heads=64)
     for key in wu.keys(shapes, "sm80", features=["kv_gather", "topk_swa", "sparse_mla_decode",
-                                                 "sparse_mla_prefill"]):
+                                                 "sparse_mla_prefill"]) + \
+            wu.keys(shapes, "sm90", features=["sparse_mla_prefill"]):
         args, constexprs = wu.warmup_args(key)
         kernel, sig = wu._kernel_and_signature(key.kernel)
         runtime = [n for n, t in sig.items() if t != "constexpr"]
@@ -201,16 +211,23 @@ def test_warmed_kernels_are_not_compiled_again_on_launch():
 
 @pytest.mark.gpu
 def test_warmed_prefill_is_not_compiled_again_on_launch():
-    """The prefill key of a V4.1 model, compiled, then launched as the Ampere classes call it
-    (combiner rows, lengths, sink, [rows, 1, 512] workspace) with 64 heads and an odd row
-    count: the kernel's cache must not grow."""
+    """The prefill keys of a V4.1 model, compiled, then launched as the Ampere classes call
+    it (combiner rows, lengths, sink, [rows, 1, 512] workspace) with 64 heads and an odd row
+    count: no kernel's cache may grow (on sm90 the launch runs the Gluon producer/consumer
+    kernel, whose key the warmup compiled)."""
+    from vllm.deepinfer.kernels import sparse_mla_prefill_gluon as glp
     dev = torch.device("cuda")
     variant = "sm90" if torch.cuda.get_device_capability() >= (9, 0) else "sm80"
     shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
     for key in wu.keys(shapes, variant, features=["sparse_mla_prefill"]):
         wu.compile_key(key)
-    kernel = spm._sparse_mla_prefill_kernel
-    before = sum(len(c[0]) for c in kernel.device_caches.values())
+    kernels = [k for k in (spm._sparse_mla_prefill_kernel, glp._prefill_ws_kernel) if k]
+
+    def sizes():
+        return [sum(len(c[0]) for c in k.device_caches.values()) for k in kernels]
+    before = sizes()
+    if variant == "sm90" and glp.AVAILABLE:
+        assert before[1] >= 1  # the warmup compiled the Gluon kernel
     q = torch.zeros(37, 64, 512, dtype=torch.bfloat16, device=dev)
     kv = torch.zeros(1001, 1, 512, dtype=torch.bfloat16, device=dev)
     idx = torch.zeros(37, 768, dtype=torch.int32, device=dev)
@@ -218,4 +235,4 @@ def test_warmed_prefill_is_not_compiled_again_on_launch():
     spm.sparse_attn_prefill(q, kv, 0.04, torch.zeros(64, device=dev), 448, 64, indices=idx,
                             topk_length=lens, out=torch.empty_like(q), variant=variant)
     torch.cuda.synchronize()
-    assert sum(len(c[0]) for c in kernel.device_caches.values()) == before
+    assert sizes() == before

@@ -919,6 +919,10 @@ def prefill_workload(shape: dict, variant: str, cc: int, nbytes: float) -> Workl
     from vllm.deepinfer.kernels import sparse_mla_prefill as spm
     from vllm.deepinfer.kv_record import HEAD_DIM
     tile = spm.TILES[variant]
+    if tile.gluon_ws:
+        raise ModelError(f"sparse_mla_prefill row {variant!r} runs the warp-specialized Gluon "
+                         "kernel, whose partitions the model does not simulate (its Triton "
+                         "tile is row 'sm90-triton')")
     T, H, keys = shape["tokens"], shape["heads"], shape["keys"]
     block_h, head_tiles = spm.launch_plan(H, tile)
     width = -(-(shape["topk"] + shape.get("window", 128)) // 128) * 128
@@ -1304,17 +1308,23 @@ def prefill_rows(data: dict) -> list[dict]:
     sm90 and, in the same row, upstream's kernel) the model's H200 time from the sm_90
     build and its error; for the Ampere tile, A100 predictions of ours and of upstream's
     kernel from their sm_80 builds, the limit, the predicted ratio, and ours with one Q.K^T
-    chain (``*_one_chain``, when the shipped tile has two)."""
+    chain (``*_one_chain``, when the shipped tile has two). Rows that ran the Gluon
+    producer/consumer kernel (``impl`` "gluon_ws") are skipped: the model does not simulate
+    warp-specialized kernels. An ``sm90`` row without ``impl`` (files from before that
+    kernel) ran the Triton tile, modelled as ``sm90-triton``."""
     _overlay_on_path()
     from vllm.deepinfer.kernels import sparse_mla_prefill as spm
     spm.TILES.setdefault(ONE_CHAIN, dataclasses.replace(spm.TILES["sm80"], qk_halves=False))
     out = []
     for r in data["rows"]:
-        if r.get("kernel") != "sparse_mla_prefill" or r.get("variant") not in ("sm80", "sm90"):
+        if (r.get("kernel") != "sparse_mla_prefill"
+                or r.get("variant") not in ("sm80", "sm90", "sm90-triton")
+                or r.get("impl") == "gluon_ws"):
             continue
         sh = r["shape"]
         nb = float(r["bytes"]) if r.get("bytes") else _prefill_bytes(sh)
-        ours = predict(prefill_workload(sh, r["variant"], 90, nb), H200)
+        model_variant = "sm90-triton" if r["variant"] == "sm90" else r["variant"]
+        ours = predict(prefill_workload(sh, model_variant, 90, nb), H200)
         up = predict(upstream_prefill_workload(sh, 90, nb), H200)
         row = {"kernel": "sparse_mla_prefill", "variant": r["variant"], "shape": sh,
                "measured_h200_us": r["ours_us"], "predicted_h200_us": round(ours["us"], 2),

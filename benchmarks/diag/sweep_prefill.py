@@ -60,6 +60,8 @@ CANDIDATES = [
     # The shipped tile with one Q.K^T chain (qk_halves off): the Ampere tile until 3a8606c.
     ("sm80-plain-w2", T(16, 16, 2, 2), (80, 86)),
     ("sm90", spm.TILES["sm90"], (90,)),
+    # The Triton tile (the sm90 row until the Gluon kernel); the rows below vary it.
+    ("sm90-triton", spm.TILES["sm90-triton"], (90,)),
     ("sm90-n32-s3", T(64, 32, 8, 3), (90,)),
     ("sm90-n32-s2", T(64, 32, 8, 2), (90,)),
     ("sm90-n16-s3", T(64, 16, 8, 3), (90,)),
@@ -79,8 +81,6 @@ CANDIDATES = [
     ("sm90-ls2", T(64, 64, 8, 2, loop_stages=2), (90,)),
     ("sm90-u2", T(64, 64, 8, 2, unroll=2), (90,)),
     ("sm90-h128-n32-w16", T(128, 32, 16, 2), (90,)),
-    # The Gluon producer/consumer kernel (kernels/sparse_mla_prefill_gluon.py).
-    ("sm90-gws", spm.TILES["sm90-gws"], (90,)),
 ]
 # Shared memory an Ampere build may use (arch.VARIANTS["sm80"].smem_budget).
 AMPERE_BUDGET = 48 * 1024

@@ -51,7 +51,9 @@ from vllm.deepinfer.kernels import sparse_mla_prefill as spm
 from vllm.deepinfer.kernels import topk_swa
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, ROPE_DIM
 
-OURS = ("sm90", "sm80")
+# sm90: the Gluon producer/consumer kernel where it runs (the row's ``impl`` says which ran);
+# sm90-triton: the Triton tile it falls back to.
+OURS = ("sm90", "sm90-triton", "sm80")
 TOKENS = (512, 2048, 8192)
 CONTEXTS = (8 << 10, 64 << 10, 1 << 20)
 # (top-k, compress ratio): V4.1's c2 layers; V4's c128a (top-k = every compressed position
@@ -242,8 +244,9 @@ def _case(h: Harness, tokens: int, ctx: int, topk: int, ratio: int, heads: int,
     for v in variants:
         got = ours(x, v, out=outs[0])[sample].clone()
         us = h.time_graph(lambda i: ours(inputs[i], v, out=outs[i]), list(range(len(inputs))))
-        extra = {}
-        if rec is not None:
+        extra = {"impl": "gluon_ws" if spm.uses_gluon_ws(spm.TILES[v], x["q"].device, True)
+                 else "triton"}
+        if rec is not None and v in smd.TILES:  # the decode variant of the same name
             extra["gather_us"] = round(h.time_graph(lambda _: gather(rec, v), [None]), 3)
             rout = torch.empty_like(x["q"])
             extra["records_us"] = round(h.time_graph(lambda _: records_attn(rec, v, rout),
@@ -258,15 +261,23 @@ def _case(h: Harness, tokens: int, ctx: int, topk: int, ratio: int, heads: int,
     torch.cuda.empty_cache()
 
 
-def cases(quick: bool) -> list[tuple]:
+def cases(quick: bool, part: str | None = None) -> list[tuple]:
     """(tokens, ctx, topk, ratio, heads) of the run; --quick: T 2048 at 64K, both layers,
-    64 heads."""
+    64 heads. ``part`` "i/n" (env DEEPINFER_SUITE_PART): the i-th of n slices of the full
+    list, so a run that would outlast one device command can be split."""
     if quick:
         return [(2048, 64 << 10, topk, ratio, 64) for topk, ratio in LAYERS]
-    return [(t, c, topk, ratio, hd) for topk, ratio in LAYERS for hd in HEADS
+    full = [(t, c, topk, ratio, hd) for topk, ratio in LAYERS for hd in HEADS
             for c in CONTEXTS for t in TOKENS]
+    if part:
+        i, n = (int(x) for x in part.split("/"))
+        if not 1 <= i <= n:
+            raise ValueError(f"DEEPINFER_SUITE_PART={part!r}: expected i/n with 1 <= i <= n")
+        full = full[i - 1::n]
+    return full
 
 
 def run(h: Harness) -> None:
-    for case in cases(h.quick):
+    import os
+    for case in cases(h.quick, os.environ.get("DEEPINFER_SUITE_PART")):
         _case(h, *case)

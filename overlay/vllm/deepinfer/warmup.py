@@ -152,6 +152,9 @@ class WarmupKey:
     # Integer (or None) values of arguments a launch passes where Triton would specialize
     # them differently from ``_INT`` (unit strides, absent pointers): upstream helpers only.
     ints: tuple[tuple[str, Any], ...] = ()
+    # Triton's maxnreg launch option (a warp-specialized kernel's register budget; None: the
+    # launcher passes none).
+    maxnreg: int | None = None
 
 
 def _gather_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
@@ -238,10 +241,16 @@ def _prefill_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[Warm
     """The Ampere classes' prefill call (attention/common.py through patch 0003): dense
     combiner rows with lengths, the sink, a 512-wide output, an aligned workspace."""
     from vllm.deepinfer.kernels import sparse_mla_prefill as spm
+    from vllm.deepinfer.kernels import sparse_mla_prefill_gluon as glp
     tile = spm.TILES[variant]
     block_h, _ = spm.launch_plan(shapes.heads, tile)
     c = spm.gate_constexprs(dataclasses.replace(tile, block_h=block_h))
-    return [WarmupKey("prefill", tuple(sorted(c.items())), tile.num_warps, tile.num_stages)]
+    # The Triton tile: what the row runs, or what a Gluon row falls back to.
+    out = [WarmupKey("prefill", tuple(sorted(c.items())), tile.num_warps, tile.num_stages)]
+    if tile.gluon_ws and glp.AVAILABLE:  # the Hopper producer/consumer kernel
+        out.append(WarmupKey("prefill_ws", tuple(sorted(glp.gate_constexprs().items())),
+                             glp.NUM_WARPS, None, maxnreg=glp.MAXNREG))
+    return out
 
 
 def _indexer_logits_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
@@ -328,6 +337,8 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
     "indexer_logits": ("vllm.deepinfer.kernels.indexer_logits", "_logits_kernel", "_SIGNATURE"),
     "prefill": ("vllm.deepinfer.kernels.sparse_mla_prefill", "_sparse_mla_prefill_kernel",
                 "_SIG"),
+    "prefill_ws": ("vllm.deepinfer.kernels.sparse_mla_prefill_gluon", "_prefill_ws_kernel",
+                   "SIGNATURE"),
     "v4_compress_kv": ("vllm.deepinfer.kernels.fp8_writers_v4_compress",
                        "_compress_sparse_attn_kernel", "_SIG"),
     "v4_compress_indexer": ("vllm.deepinfer.kernels.fp8_writers_v4_compress",
@@ -388,6 +399,8 @@ def launch_options(key: WarmupKey) -> dict[str, int]:
     opts = {} if key.num_warps is None else {"num_warps": key.num_warps}
     if key.num_stages is not None:
         opts["num_stages"] = key.num_stages
+    if key.maxnreg is not None:
+        opts["maxnreg"] = key.maxnreg
     return opts
 
 

@@ -161,12 +161,19 @@ TILES: dict[str, Tile] = {
     "cpu": _AMPERE,
     # Ada: mma.sync like Ampere, 99 KiB per block. Not measured: the Ampere tile.
     "sm89": _AMPERE,
-    # Hopper: one program owns 64 heads (wgmma's M), Q [64, 512] 64 KiB + two 64-key stages
-    # of 64 KiB = 197 KiB of 227, 8 warps (two warpgroups split the 512 output columns:
-    # 128 accumulator registers each), no spills.
-    "sm90": Tile(block_h=64, block_n=64, num_warps=8, num_stages=2),
-    # The Gluon producer/consumer kernel, falling back to the sm90 tile above.
-    "sm90-gws": Tile(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon_ws=True),
+    # Hopper: the Gluon producer/consumer kernel (kernels/sparse_mla_prefill_gluon.py: 64
+    # heads x 64-key blocks, a producer warpgroup gathering, two consumer warpgroups on
+    # alternate blocks). H200 sweep at 2d74674 (benchmarks/results/h200-2026-12-01-sweep-
+    # prefill-gws-2d74674.json; T=2048 after 64K with top-k 512 + 128 at 64 / 128 heads, T=512
+    # with top-k 8192): 449 / 879 / 998 us against the Triton tile's 793 / 1581 / 2146, 55-81%
+    # of the bf16 matmul rate against 31-38%. The fields are the Triton tile it falls back to
+    # (``uses_gluon_ws``).
+    "sm90": Tile(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon_ws=True),
+    # The Triton tile alone (the sm90 row until the Gluon kernel): one program owns 64 heads
+    # (wgmma's M), Q [64, 512] 64 KiB + two 64-key stages of 64 KiB = 197 KiB of 227, 8 warps
+    # (two warpgroups split the 512 output columns: 128 accumulator registers each), no
+    # spills.
+    "sm90-triton": Tile(block_h=64, block_n=64, num_warps=8, num_stages=2),
     # Blackwell 10.x/12.x, not measured: 99 KiB per block (12.x) rules out the Hopper tile;
     # the Ampere tile fits.
     "sm100": _AMPERE,
