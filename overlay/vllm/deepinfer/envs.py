@@ -107,6 +107,8 @@ VARIABLES: dict[str, str] = {
     "DEEPINFER_VLLM_TREE": "tools/upstream.py: a local extracted vLLM 0.33.0 tree (offline)",
     "DEEPINFER_REQUIRE_UPSTREAM": "tests: 1 turns missing build outputs into failures",
     "DEEPINFER_COMMIT": "benchmarks: the commit recorded in results when git cannot tell",
+    "DEEPINFER_SUITE_PART": "benchmarks: i/n runs the i-th of n slices of the "
+                            "sparse_mla_prefill suite's full case list",
     "DEEPINFER_EMULATE_CAPABILITY": "test-only: vLLM sees this capability (e.g. 8.0) on any "
                                     "GPU, the A100-faithful mode (vllm.deepinfer.emulate)",
     "DEEPINFER_SORTED_TOPK": "test-only: 1 sorts each indexer top-k row after selection "
