@@ -277,6 +277,13 @@ def cases(quick: bool, part: str | None = None) -> list[tuple]:
     return full
 
 
+def case_order(shape: dict) -> int:
+    """Position of a row's shape in the full case list (benchmarks/merge_results.py puts
+    the rows of split runs back in this order)."""
+    key = tuple(shape[k] for k in ("tokens", "ctx", "topk", "ratio", "heads"))
+    return cases(False).index(key)
+
+
 def run(h: Harness) -> None:
     import os
     for case in cases(h.quick, os.environ.get("DEEPINFER_SUITE_PART")):
