@@ -23,7 +23,7 @@ import torch
 
 from test_sparse_mla_prefill import (ACCURACY_SLACK, NOPE, TOL_ABS, TOL_REL, D, _gpu_case,
                                      _gpu_reference, assert_close, key_lists, make, reference,
-                                     run, upstream_prefill)
+                                     run, tile_rows, upstream_prefill)  # noqa: F401 (fixture)
 from vllm.deepinfer import arch
 from vllm.deepinfer.kernels import sparse_mla_prefill as spm
 from vllm.deepinfer.kernels import sparse_mla_prefill_gluon as glp
@@ -228,3 +228,25 @@ def test_unaligned_rows_fall_back_to_the_triton_tile():
     a = run(qs, kv, idx, lens, sink, ROW)
     b = run(qs, kv, idx, lens, sink, TRITON_ROW)
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("sms", [1, 2, 5])
+def test_programs_that_loop_over_items_match_one_program_per_item(monkeypatch, tile_rows, sms):
+    """One program per SM loops over (token, head tile) items, carrying the buffer
+    barriers' phases across them: with 1, 2 and 5 programs (many items each, items without
+    keys among them, lengths that end mid-pair) the output equals, bit for bit, the launch
+    with one program per item (the same arithmetic per item), which meets the reference."""
+    from vllm.deepinfer import arch as arch_mod
+    q, kv, idx, sink = make(14, tokens=9, heads=128, rows=400, width=330, invalid=0.1,
+                            device="cuda")
+    lens = torch.tensor([330, 0, 64, 0, 0, 129, 300, 1, 200], dtype=torch.int32,
+                        device="cuda")
+    per_item = tile_rows("test-per-item", base=ROW, persistent=False)
+    want = run(q, kv, idx, lens, sink, per_item)
+    assert_close(want, reference(q, kv, key_lists(idx.cpu(), lens), sink))
+    monkeypatch.setattr(arch_mod, "sm_count", lambda device=None: sms)
+    assert glp.programs(9 * 2, sms) == sms
+    got = run(q, kv, idx, lens, sink, ROW)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -60,6 +60,8 @@ CANDIDATES = [
     # The shipped tile with one Q.K^T chain (qk_halves off): the Ampere tile until 3a8606c.
     ("sm80-plain-w2", T(16, 16, 2, 2), (80, 86)),
     ("sm90", spm.TILES["sm90"], (90,)),
+    # The Gluon kernel with one program per work item instead of one per SM.
+    ("sm90-per-item", T(64, 64, 8, 2, gluon_ws=True, persistent=False), (90,)),
     # The Triton tile (the sm90 row until the Gluon kernel); the rows below vary it.
     ("sm90-triton", spm.TILES["sm90-triton"], (90,)),
     ("sm90-n32-s3", T(64, 32, 8, 3), (90,)),
@@ -164,6 +166,7 @@ def gate_ours(name: str, tile, cc: int) -> dict:
         # The longest loop is one consumer warpgroup's: a pair of 64-key blocks per
         # iteration, run by the 8 consumer warps together.
         rec["per_kq"] = _per_kq(rec, 64, 128, 8)
+        rec["persistent"] = tile.persistent
     else:
         rec["per_kq"] = _per_kq(rec, tile.block_h, tile.block_n, tile.num_warps)
     if cc < 89:
@@ -218,8 +221,8 @@ def gate_all(sm90_only: bool = False) -> list[dict]:
             out.append(gate_ours(name, tile, cc))
     seen = {}
     for r in out:  # the same machine code as an earlier candidate: not timed again
-        if "sass_sha" in r:
-            first = seen.setdefault((r["cc"], r["sass_sha"]), r["name"])
+        if "sass_sha" in r:  # (the Gluon kernel's launches differ in their grid alone)
+            first = seen.setdefault((r["cc"], r["sass_sha"], r.get("persistent")), r["name"])
             if first != r["name"]:
                 r["same_sass_as"] = first
     for cc in ((90,) if sm90_only else (80, 90)):

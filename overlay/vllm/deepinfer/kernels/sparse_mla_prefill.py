@@ -115,6 +115,9 @@ class Tile:
     # the Triton tile a launch falls back to where that kernel cannot run (no Gluon, the
     # interpreter, a GPU below sm_90, unaligned rows); ``uses_gluon_ws`` decides.
     gluon_ws: bool = False
+    # gluon_ws only: one program per SM looping over (token, head tile) work items (the
+    # Gluon kernel's PERSISTENT), or one program per item.
+    persistent: bool = True
 
     def __post_init__(self):
         if self.qk_halves and (self.split_d != 1 or self.rescale_tau):
@@ -521,7 +524,8 @@ def sparse_attn_prefill(q, kv, scale, attn_sink, nope_head_dim, rope_head_dim, *
                        (out, (out.stride(0), out.stride(1))))
     if uses_gluon_ws(tile, dev, aligned):
         return glp.attend(q, kv, idx, ptr, attn_sink if has_sink else out, out, idx_stride0,
-                          width, float(scale) * LOG2E.value, dense=dense, has_sink=has_sink)
+                          width, float(scale) * LOG2E.value, dense=dense, has_sink=has_sink,
+                          sm_count=arch.sm_count(dev), persistent=tile.persistent)
     _sparse_mla_prefill_kernel[(tokens * head_tiles,)](
         q, kv, idx, ptr, attn_sink if has_sink else out, out,
         q.stride(0), q.stride(1), kv.stride(0), idx_stride0, out.stride(0), out.stride(1),
