@@ -21,7 +21,9 @@ T=2048 new tokens after 64K, top-k 512 + window 128, 64 and 128 heads; T=512 aft
 8192 (c128a). Output: one JSON line per measurement, a summary table, and the best row per
 family (mma.sync tiles for sm80/sm86, wgmma tiles for sm90) as a ``TILES`` line.
 ``--sm90-only``: the sm90 candidates and upstream, gated for sm_90 and timed (on an H200 the
-run is mostly startup; each candidate x shape is one compile and one CUDA-graph timing).
+run is mostly startup; each candidate x shape is one compile and one CUDA-graph timing), at
+a fourth shape too: T=2048 after 8K with top-k 8192 over ratio 128 (208-key lists, where a
+program's fixed costs weigh most).
 Candidates whose sm_90 SASS is identical to an earlier candidate's are gated but not timed
 (``same_sass_as``), and so are those the gate rejects (compile error, shared memory over the
 227 KiB an sm_90 block may take).
@@ -271,6 +273,8 @@ def time_all(rows_gate: list[dict], sm90_only: bool = False) -> list[dict]:
     out = []
     shapes = [(2048, 64 << 10, 512, 2, 64), (2048, 64 << 10, 512, 2, 128),
               (512, 1 << 20, 8192, 128, 64)]
+    if sm90_only:  # short lists (208 keys: 80 compressed + the window), the fixed costs' share
+        shapes.append((2048, 8 << 10, 8192, 128, 64))
     for tokens, ctx, topk, ratio, heads in shapes:
         x = S.make_case(h.dev, tokens, ctx, topk, ratio, heads, seed=0)
         flops = 2 * 2 * heads * 512 * int(x["lens"].sum())
