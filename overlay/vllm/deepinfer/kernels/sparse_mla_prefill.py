@@ -166,11 +166,13 @@ TILES: dict[str, Tile] = {
     "sm89": _AMPERE,
     # Hopper: the Gluon producer/consumer kernel (kernels/sparse_mla_prefill_gluon.py: 64
     # heads x 64-key blocks, a producer warpgroup gathering, two consumer warpgroups on
-    # alternate blocks). H200 sweep at 2d74674 (benchmarks/results/h200-2026-12-01-sweep-
-    # prefill-gws-2d74674.json; T=2048 after 64K with top-k 512 + 128 at 64 / 128 heads, T=512
-    # with top-k 8192): 449 / 879 / 998 us against the Triton tile's 793 / 1581 / 2146, 55-81%
-    # of the bf16 matmul rate against 31-38%. The fields are the Triton tile it falls back to
-    # (``uses_gluon_ws``).
+    # alternate blocks, one program per SM looping over (token, head tile) items). H200
+    # sweep at 7ee19c4 (benchmarks/results/h200-2026-12-01-sweep-prefill-gws-7ee19c4.json;
+    # T=2048 after 64K with top-k 512 + 128 at 64 / 128 heads, T=512 after 1M with top-k
+    # 8192, T=2048 after 8K with top-k 8192 (208-key lists)): 438 / 845 / 1018 / 249 us,
+    # 57 / 59 / 80 / 33% of the bf16 matmul rate; one program per item 458 / 892 / 1001 /
+    # 256 us; the Triton tile 799 / 1577 / 2168 / 375 us. The other fields are the Triton
+    # tile it falls back to (``uses_gluon_ws``).
     "sm90": Tile(block_h=64, block_n=64, num_warps=8, num_stages=2, gluon_ws=True),
     # The Triton tile alone (the sm90 row until the Gluon kernel): one program owns 64 heads
     # (wgmma's M), Q [64, 512] 64 KiB + two 64-key stages of 64 KiB = 197 KiB of 227, 8 warps

@@ -5,7 +5,8 @@ same 8 warps: gather, Q.K^T (which both warpgroups compute whole: 1.5x the usefu
 work), softmax, P.V. Its steps take turns and it reaches about 31% of the H200's bf16 matmul
 rate (docs/sparse-mla-prefill.md). This kernel gives each step its own warps:
 
-* grid (tokens x head tiles of 64): one program owns 64 heads of one token (wgmma's M);
+* work items (token, 64-head tile): one program owns 64 heads of one token (wgmma's M) at
+  a time, one program per SM takes items p, p + programs, ... (``PERSISTENT``);
 * a producer warpgroup gathers the token's key rows from the bf16 workspace with cp.async
   into four shared-memory buffers, two 64-key blocks x two 256-dim halves, and signals each
   buffer on an mbarrier when its copies land (``cp.async.mbarrier.arrive``);
@@ -75,8 +76,10 @@ PRODUCER_REGS = 48
 MIN_CC = 90
 # One program per SM looping over work items (token, 64-head tile), so the next item's Q
 # and first key blocks load while this item's last P.V and epilogue run; False: one program
-# per item. Measured on the H200 before it was made the default: see TILES["sm90"] in
-# kernels/sparse_mla_prefill.py.
+# per item. H200 sweep at 7ee19c4 (benchmarks/results/h200-2026-12-01-sweep-prefill-gws-
+# 7ee19c4.json): 4-5% faster at 2048 new tokens after 64K (438 vs 458 us at 64 heads, 845
+# vs 892 at 128), 3% with 208-key lists (249 vs 256), 2% slower at 512 tokens with top-k
+# 8192 (1018 vs 1001: 512 items on 132 SMs leave the same last round either way).
 PERSISTENT = True
 
 if AVAILABLE:
