@@ -6,9 +6,11 @@ indices; ``upstream_us`` times the kernel alone (the ragged indices built once, 
 timing), ``upstream_path_us`` the whole ``_rocm_sparse_attn_prefill_triton`` (dense -> ragged
 compaction: ``_count_valid_row_entries_kernel`` + cumsum + ``_compact_dense_row_to_ragged_kernel``,
 then the kernel), which is what vLLM runs and what ours replaces. Ours:
-``kernels.sparse_mla_prefill.sparse_attn_prefill`` on the dense rows, sm90 tile (64 heads per
-program, wgmma) and sm80 tile (16 heads x 16 keys on 2 warps, Q.K^T as two half-dim mma
-chains; the Ampere 48 KiB tile, here run on Hopper).
+``kernels.sparse_mla_prefill.sparse_attn_prefill`` on the dense rows: the sm90 row (the Gluon
+producer/consumer kernel, 64 heads per work item, wgmma), the sm90-triton row (the Triton
+tile it falls back to: 64 heads per program, wgmma) and the sm80 tile (16 heads x 16 keys on
+2 warps, Q.K^T as two half-dim mma chains; the Ampere 48 KiB tile, here run on Hopper).
+``impl`` says which kernel a row ran ("gluon_ws" or "triton").
 
 Shapes: one request, T new tokens (512, 2048, 8192) after ``ctx`` cached ones (8K, 64K,
 1M), 64 and 128 heads, window 128, and two kinds of compressed layer: top-k 512 over a
@@ -27,8 +29,8 @@ ours vs an fp32 torch reference on SAMPLE tokens spread over the chunk,
 ``upstream_max_abs_diff`` the same for upstream, ``rms_ratio`` = ours' RMS error / upstream's
 there (tests/test_sparse_mla_prefill.py states the bound); ``exact`` null (different tiling and
 an exp2-domain softmax: not bit-identical). The key-source question (gathered bf16 rows or the
-584-byte records): ``gather_us`` = our kv_gather writing this case's workspace from record
-caches (the compressed cache in 64-token pages, the SWA cache in 32-token pages),
+584-byte records; for sm80 and sm90 only): ``gather_us`` = our kv_gather writing this case's
+workspace from record caches (the compressed cache in 64-token pages, the SWA cache in 32-token pages),
 ``records_us`` = our sparse_mla_decode kernel (the same variant) attending over the same
 lists straight from those records, one split; ours reading the workspace costs ``ours_us +
 gather_us`` against ``records_us``. Timing: each launch captured in a CUDA graph, replays
