@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+from compiled import run_json
 from test_sparse_mla_decode import TOL_ABS, TOL_REL, D, assert_close, run_both, setup
 from test_sparse_mla_decode_predequant import odd_pages_extreme_slots_nan
 from vllm.deepinfer import arch
@@ -58,7 +59,7 @@ def test_selection(g):
 
 def test_fallback_is_logged_once_per_reason(monkeypatch, caplog):
     import logging
-    smd._gluon_fallback.cache_clear()
+    arch.log_fallback.cache_clear()
     monkeypatch.setattr(glk, "AVAILABLE", False)
     t = smd.TILES["sm80-2p-h64"]
     with caplog.at_level(logging.INFO, logger="vllm.deepinfer"):
@@ -71,7 +72,7 @@ def test_fallback_is_logged_once_per_reason(monkeypatch, caplog):
     assert smd.launch_plan(64, 64, 640.0, t, 108) == smd.launch_plan(
         64, 64, 640.0, smd.TILES[TRITON_ROW], 108)
     assert not smd.uses_gluon(smd.TILES[TRITON_ROW], 64)  # not a Gluon row: nothing to say
-    smd._gluon_fallback.cache_clear()
+    arch.log_fallback.cache_clear()
 
 
 @pytest.mark.skipif(not glk.AVAILABLE or arch.interpreting(), reason="Gluon on a GPU only")
@@ -112,18 +113,7 @@ def test_ampere_builds_fit():
     within 48 KiB, 64 HMMAs per warp and key tile (32 for Q.K^T, 32 for P.V), no local
     memory (spills). Built in a subprocess: TRITON_INTERPRET (set for the CPU suite)
     replaces jit functions."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    repo = Path(__file__).resolve().parent.parent
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(repo / "overlay")
-    r = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = run_json(_BUILD)
     assert sorted(got) == sorted(f"sparse_mla_decode.gluon{g}.{m}[sm80-2p]@{cc}"
                                  for g in (32, 64) for m in ("direct", "partial")
                                  for cc in (80, 86))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 
@@ -202,6 +203,13 @@ def sm_count(device) -> int:
         import torch
         n = _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return n
+
+
+@functools.cache
+def log_fallback(kernel: str, what: str, reason: str) -> None:
+    """Say once per (kernel, what, reason) that a kernel row runs another kernel than the one
+    it names, and why (an INFO line of the ``vllm.deepinfer`` logger)."""
+    logging.getLogger("vllm.deepinfer").info("deepinfer: %s: %s (%s)", kernel, what, reason)
 
 
 def reset_for_tests() -> None:

@@ -35,8 +35,6 @@ docs/sparse-mla-decode.md for the tile choices and their compile-gate figures.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import math
 import os
 
@@ -664,10 +662,8 @@ def uses_gluon(tile: Tile, heads: int) -> bool:
     return False
 
 
-@functools.cache
 def _gluon_fallback(reason: str) -> None:
-    logging.getLogger("vllm.deepinfer").info(
-        "deepinfer: sparse_mla_decode: a Gluon phase-2 row runs the Triton phase 2 (%s)", reason)
+    arch.log_fallback("sparse_mla_decode", "a Gluon phase-2 row runs the Triton phase 2", reason)
 
 
 def phase2_tile(tile: Tile, heads: int) -> Tile:

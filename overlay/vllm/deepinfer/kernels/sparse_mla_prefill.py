@@ -42,8 +42,6 @@ docs/sparse-mla-prefill.md has the tile choices and their compile-gate figures.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import math
 
 import torch
@@ -52,9 +50,9 @@ import triton.language as tl
 
 from vllm.deepinfer import arch
 from vllm.deepinfer.compile_gate import GateSpec, register
+from vllm.deepinfer.kernels import sparse_mla_prefill_gluon as glp
 from vllm.deepinfer.kernels.checks import (FLOAT_DTYPES, INDEX_DTYPES, check, check_mla_query,
                                            check_tensor)
-from vllm.deepinfer.kernels import sparse_mla_prefill_gluon as glp
 from vllm.deepinfer.kernels.qk_halves import halves_start, halves_step
 from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, ROPE_DIM
 from vllm.deepinfer.kv_record import TL_HEAD_DIM as _D  # 512 columns per key row and query
@@ -427,11 +425,9 @@ def uses_gluon_ws(tile: Tile, device: torch.device, aligned: bool) -> bool:
     return False
 
 
-@functools.cache
 def _gluon_fallback(reason: str) -> None:
-    logging.getLogger("vllm.deepinfer").info(
-        "deepinfer: sparse_mla_prefill: the Gluon producer/consumer row runs the Triton tile "
-        "(%s)", reason)
+    arch.log_fallback("sparse_mla_prefill",
+                      "the Gluon producer/consumer row runs the Triton tile", reason)
 
 
 def _dot_fp32() -> bool:
