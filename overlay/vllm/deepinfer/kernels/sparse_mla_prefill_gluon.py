@@ -56,7 +56,8 @@ __all__ = ["AVAILABLE", "BLOCK_H", "BLOCK_N", "NUM_WARPS", "SIGNATURE", "MAXNREG
 BLOCK_H = 64
 # Keys per block (one consumer's score tile is [64 heads, 64 keys]). Shared memory: Q
 # [64, 512] bf16 64 KiB + two blocks of [64, 512] bf16 128 KiB + two P tiles [64, 64] bf16
-# 16 KiB = 208 KiB of the 227 KiB an sm_90 block may have, so no deeper ring fits.
+# 16 KiB = 208 KiB of the 227 KiB an sm_90 block may have (the build: 214,872 B with the
+# published maxima, the sums and the barriers), so no deeper ring fits.
 BLOCK_N = 64
 # Warps of the default partition (consumer warpgroup 0); the two workers (consumer 1 and
 # the producer) add 4 each: 12 warps, 384 threads.
@@ -96,11 +97,18 @@ if AVAILABLE:
         return start, n
 
     @gluon.jit
+    def _block_slots(idx_ptr, start, k0, n, num_rows, N: gl.constexpr, L: gl.constexpr):
+        """Workspace rows [N] (layout L) of keys k0 .. k0 + N of the list and their validity
+        (inside the list, 0 <= row < num_rows)."""
+        j = k0 + gl.arange(0, N, L)
+        slot = gl.load(idx_ptr + start + j, mask=j < n, other=-1)
+        return slot, (slot >= 0) & (slot < num_rows)
+
+    @gluon.jit
     def _block_valid(idx_ptr, start, k0, n, num_rows, N: gl.constexpr, COL: gl.constexpr):
         """Validity [N] (layout COL) of keys k0 .. k0 + N of the list."""
-        j = k0 + gl.arange(0, N, COL)
-        slot = gl.load(idx_ptr + start + j, mask=j < n, other=-1)
-        return (slot >= 0) & (slot < num_rows)
+        _, ok = _block_slots(idx_ptr, start, k0, n, num_rows, N, COL)
+        return ok
 
     @gluon.jit
     def _opaque_zero(x):
@@ -115,9 +123,7 @@ if AVAILABLE:
     def _block_rows(idx_ptr, start, k0, n, num_rows, kv_stride0, RL: gl.constexpr):
         """Row offsets (elements) and validity [64] (layout RL) of keys k0 .. k0 + 64 of the
         list; invalid keys point at row 0 and are not copied."""
-        j = k0 + gl.arange(0, 64, RL)
-        slot = gl.load(idx_ptr + start + j, mask=j < n, other=-1)
-        ok = (slot >= 0) & (slot < num_rows)
+        slot, ok = _block_slots(idx_ptr, start, k0, n, num_rows, 64, RL)
         return gl.where(ok, slot, 0).to(gl.int64) * kv_stride0, ok
 
     @gluon.jit
