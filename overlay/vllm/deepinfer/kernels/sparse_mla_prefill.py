@@ -58,7 +58,7 @@ from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, ROPE_DIM
 from vllm.deepinfer.kv_record import TL_HEAD_DIM as _D  # 512 columns per key row and query
 
 __all__ = ["sparse_attn_prefill", "launch_plan", "covers", "gate_constexprs", "Tile", "TILES",
-           "GATE_VARIANTS"]
+           "GATE_VARIANTS", "gluon_ws_spec", "uses_gluon_ws"]
 
 FEATURE = "sparse_mla_prefill"
 # Softmax runs in the exp2 domain: scores are multiplied by scale * log2(e) once, the sink by
