@@ -59,7 +59,7 @@ def test_selection(g):
 
 def test_fallback_is_logged_once_per_reason(monkeypatch, caplog):
     import logging
-    arch.log_fallback.cache_clear()
+    arch.log_once.cache_clear()
     monkeypatch.setattr(glk, "AVAILABLE", False)
     t = smd.TILES["sm80-2p-h64"]
     with caplog.at_level(logging.INFO, logger="vllm.deepinfer"):
@@ -72,7 +72,7 @@ def test_fallback_is_logged_once_per_reason(monkeypatch, caplog):
     assert smd.launch_plan(64, 64, 640.0, t, 108) == smd.launch_plan(
         64, 64, 640.0, smd.TILES[TRITON_ROW], 108)
     assert not smd.uses_gluon(smd.TILES[TRITON_ROW], 64)  # not a Gluon row: nothing to say
-    arch.log_fallback.cache_clear()
+    arch.log_once.cache_clear()
 
 
 @pytest.mark.skipif(not glk.AVAILABLE or arch.interpreting(), reason="Gluon on a GPU only")

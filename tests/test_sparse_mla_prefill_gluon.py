@@ -46,7 +46,7 @@ def test_row_is_the_sm90_tile_plus_the_switch():
 
 
 def test_fallback_is_logged_once_per_reason(monkeypatch, caplog):
-    arch.log_fallback.cache_clear()
+    arch.log_once.cache_clear()
     t = spm.TILES[ROW]
     with caplog.at_level(logging.INFO, logger="vllm.deepinfer"):
         assert not spm.uses_gluon_ws(t, torch.device("cpu"), True)
@@ -57,7 +57,34 @@ def test_fallback_is_logged_once_per_reason(monkeypatch, caplog):
     head = "deepinfer: sparse_mla_prefill: the Gluon producer/consumer row runs the Triton tile"
     assert msgs == [f"{head} (the Triton interpreter runs no Gluon kernel)",
                     f"{head} (this Triton has no Gluon)"]
-    arch.log_fallback.cache_clear()
+    arch.log_once.cache_clear()
+
+
+@pytest.mark.skipif(not glp.AVAILABLE, reason="this Triton has no Gluon")
+def test_choice_on_a_cuda_device_is_logged_once_per_reason(monkeypatch, caplog):
+    """Off the interpreter, with the device's capability faked: below 9.0 and with unaligned
+    rows the row runs the Triton tile, on 9.0 the Gluon kernel; each says so once."""
+    arch.log_once.cache_clear()
+    monkeypatch.setattr(arch, "interpreting", lambda: False)
+    cc = {"v": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc["v"])
+    t, dev = spm.TILES[ROW], torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="vllm.deepinfer"):
+        assert not spm.uses_gluon_ws(t, torch.device("cpu"), True)
+        assert not spm.uses_gluon_ws(t, dev, True)
+        assert not spm.uses_gluon_ws(t, dev, True)
+        cc["v"] = (9, 0)
+        assert not spm.uses_gluon_ws(t, dev, False)
+        assert spm.uses_gluon_ws(t, dev, True)
+        assert spm.uses_gluon_ws(t, dev, True)
+    msgs = [r.getMessage() for r in caplog.records if "producer/consumer" in r.getMessage()]
+    head = "deepinfer: sparse_mla_prefill: the Gluon producer/consumer row runs the Triton tile"
+    assert msgs == [f"{head} (tensors on cpu, not on a CUDA device)",
+                    f"{head} (compute capability 8.0: warp specialization needs 9.0)",
+                    f"{head} (q, kv or out rows not 16-byte aligned)",
+                    "deepinfer: sparse_mla_prefill: the sm90 row runs the Gluon "
+                    "producer/consumer kernel (compute capability 9.0)"]
+    arch.log_once.cache_clear()
 
 
 def test_row_runs_the_triton_tile_where_gluon_cannot(device):

@@ -206,9 +206,9 @@ def sm_count(device) -> int:
 
 
 @functools.cache
-def log_fallback(kernel: str, what: str, reason: str) -> None:
-    """Say once per (kernel, what, reason) that a kernel row runs another kernel than the one
-    it names, and why (an INFO line of the ``vllm.deepinfer`` logger)."""
+def log_once(kernel: str, what: str, reason: str) -> None:
+    """Say once per (kernel, what, reason) which kernel a row runs and why: the kernel it
+    names, or the one it falls back to (an INFO line of the ``vllm.deepinfer`` logger)."""
     logging.getLogger("vllm.deepinfer").info("deepinfer: %s: %s (%s)", kernel, what, reason)
 
 

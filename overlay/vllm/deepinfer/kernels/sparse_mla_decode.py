@@ -648,7 +648,8 @@ def choose_num_splits(tokens: int, head_tiles: int, avg_keys: float, tile: Tile,
 def uses_gluon(tile: Tile, heads: int) -> bool:
     """Whether a launch of ``heads`` heads on ``tile`` runs phase 2 as the Gluon kernel. A
     Gluon row that cannot (no Gluon in this Triton, the interpreter, fewer heads than its
-    program holds) runs the Triton phase 2 and says so once per reason."""
+    program holds) runs the Triton phase 2; either way it says which kernel runs, once per
+    reason."""
     if not (tile.predequant and tile.gluon_heads):
         return False
     if not glk.AVAILABLE:
@@ -658,12 +659,14 @@ def uses_gluon(tile: Tile, heads: int) -> bool:
     elif heads < tile.gluon_heads:
         _gluon_fallback(f"{heads} heads, fewer than the {tile.gluon_heads} of one program")
     else:
+        arch.log_once("sparse_mla_decode", "a Gluon phase-2 row runs the Gluon kernel",
+                      f"{tile.gluon_heads} heads per program")
         return True
     return False
 
 
 def _gluon_fallback(reason: str) -> None:
-    arch.log_fallback("sparse_mla_decode", "a Gluon phase-2 row runs the Triton phase 2", reason)
+    arch.log_once("sparse_mla_decode", "a Gluon phase-2 row runs the Triton phase 2", reason)
 
 
 def phase2_tile(tile: Tile, heads: int) -> Tile:

@@ -407,27 +407,31 @@ def _aligned(*tensors_and_strides) -> bool:
 
 def uses_gluon_ws(tile: Tile, device: torch.device, aligned: bool) -> bool:
     """Whether a launch on ``tile`` runs the Gluon producer/consumer kernel. A ``gluon_ws``
-    row that cannot (no Gluon in this Triton, the interpreter, a device below sm_90, rows not
-    16-byte aligned) runs its Triton tile and says so once per reason."""
+    row that cannot (no Gluon in this Triton, the interpreter, tensors off CUDA, a device
+    below sm_90, rows not 16-byte aligned) runs its Triton tile; either way it says which
+    kernel runs, once per reason."""
     if not tile.gluon_ws:
         return False
     if not glp.AVAILABLE:
         _gluon_fallback("this Triton has no Gluon")
-    elif arch.interpreting() or device.type != "cuda":
+    elif arch.interpreting():
         _gluon_fallback("the Triton interpreter runs no Gluon kernel")
-    elif torch.cuda.get_device_capability(device)[0] * 10 < glp.MIN_CC:
-        cc = torch.cuda.get_device_capability(device)
+    elif device.type != "cuda":
+        _gluon_fallback(f"tensors on {device.type}, not on a CUDA device")
+    elif (cc := torch.cuda.get_device_capability(device))[0] * 10 + cc[1] < glp.MIN_CC:
         _gluon_fallback(f"compute capability {cc[0]}.{cc[1]}: warp specialization needs 9.0")
     elif not aligned:
         _gluon_fallback("q, kv or out rows not 16-byte aligned")
     else:
+        arch.log_once("sparse_mla_prefill", "the sm90 row runs the Gluon producer/consumer "
+                      "kernel", f"compute capability {cc[0]}.{cc[1]}")
         return True
     return False
 
 
 def _gluon_fallback(reason: str) -> None:
-    arch.log_fallback("sparse_mla_prefill",
-                      "the Gluon producer/consumer row runs the Triton tile", reason)
+    arch.log_once("sparse_mla_prefill", "the Gluon producer/consumer row runs the Triton tile",
+                  reason)
 
 
 def _dot_fp32() -> bool:
