@@ -131,6 +131,8 @@ def construct_layer(cls, vcfg, i: int, topk, built: dict) -> dict:
         "compress_ratio": layer.compress_ratio,
         "padded_heads": layer.padded_heads,
         "backend": layer.get_attn_backend().get_name(),
+        "kernel_block_sizes": [int(b) for b in
+                               layer.get_attn_backend().get_supported_kernel_block_sizes()],
         "swa_builder": layer.swa_cache_layer.get_attn_backend().get_builder_cls().__name__,
         "indexer": None if layer.indexer is None else type(layer.indexer).__name__,
         "indexer_op": None if layer.indexer is None

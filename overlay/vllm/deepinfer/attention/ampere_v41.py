@@ -32,6 +32,9 @@ from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
 
 BACKEND_NAME = "DEEPINFER_AMPERE_SPARSE_DSV41"
+# Compressed-cache page of the Ampere V4.1 path: upstream's SM90 page (models/deepseek_v41/
+# sparse_mla.py, get_supported_kernel_block_sizes), see DeepinferAmpereV41MLASparseBackend.
+KV_PAGE_TOKENS = 64
 
 
 class DeepinferAmpereV41SparseSWAMetadataBuilder(NoTileSchedulerMixin,
@@ -64,6 +67,24 @@ class DeepinferAmpereV41MLASparseBackend(DeepseekV4SparseMLABackend):
     @classmethod
     def supports_pcp(cls) -> bool:
         return False
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        """Upstream's V4.1 backend asks for 128-token compressed pages off SM90 (FlashMLA's
+        SM100 kernels want them) and 64 on SM90. None of the Ampere path's kernels (gather,
+        decode, indexer logits) depends on the page size: they index pages through the block
+        table and ``stride(0)``. The page size shapes vLLM's packing of the cache groups
+        into one physical block, where smaller groups are padded to the widest
+        (v1/core/kv_cache_planning.py, ``_get_packed_kv_cache_groups``): at bdbe637 the
+        A100-faithful engine (128-token pages) held 12% fewer KV tokens per GiB than
+        upstream's SM90 layout (64-token pages) on the v41-tput config (60,444,651 tokens in
+        101.55 GiB against 67,434,907 in 100.24 GiB); read in the code, this page size is the
+        only difference between the two engines' cache specs. With the ``kv_page64`` feature
+        (on by default) the Ampere path takes the SM90 page of 64 tokens;
+        DEEPINFER_KV_PAGE64=0 keeps upstream's choice. docs/topology-1m-context.md."""
+        if routing.use("kv_page64"):
+            return [KV_PAGE_TOKENS]
+        return DeepseekV4SparseMLABackend.get_supported_kernel_block_sizes(kv_cache_spec)
 
 
 class DeepinferAmpereV41Indexer(DeepseekV4Indexer):
