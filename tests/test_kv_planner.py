@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm.deepinfer import kv_planner as kvp
+import kvplan as kvp  # tools/kvplan/, the planner library (tools/ is on sys.path: conftest)
 
 REPO = Path(__file__).resolve().parent.parent
 V41_CONFIG = REPO / "tools" / "configs" / "deepseek-v4.1-illustrative.json"

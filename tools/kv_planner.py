@@ -10,44 +10,29 @@ Subcommands (each takes --json for machine-readable output):
   chart       render docs/img/topology-1m-context.png (needs matplotlib)
 
 Bad input exits with status 2 and a message on stderr naming the field.
-The logic lives in overlay/vllm/deepinfer/kv_planner.py (stdlib only).
+The logic lives in the package tools/kvplan/ beside this command (stdlib only: no torch,
+no vLLM, no GPU).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-PLANNER_FILE = REPO / "overlay" / "vllm" / "deepinfer" / "kv_planner.py"
+TOOLS = Path(__file__).resolve().parent
+REPO = TOOLS.parent
+# The planner library sits beside this command; put its folder on the path also when the
+# file is run by path from elsewhere (runpy.run_path does not add it).
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
+
+import kvplan as kvp  # noqa: E402
+
 DEFAULT_V41_CONFIG = REPO / "tools" / "configs" / "deepseek-v4.1-illustrative.json"
 PROG = "kv_planner"
-
-
-def load_planner():
-    """The planner module. Loaded by file path first: importing it through the
-    ``vllm.deepinfer`` package would run the package __init__ (GPU probe, torch import),
-    which a pure arithmetic tool does not need. Falls back to the package import when
-    the file is not beside this tool (e.g. an installed overlay)."""
-    name = "vllm.deepinfer.kv_planner"
-    if name in sys.modules:
-        return sys.modules[name]
-    if PLANNER_FILE.is_file():
-        spec = importlib.util.spec_from_file_location("deepinfer_kv_planner", PLANNER_FILE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(module)
-        return module
-    sys.path.insert(0, str(REPO / "overlay"))
-    return importlib.import_module(name)
-
-
-kvp = load_planner()
 
 
 # --------------------------------------------------------------------------------------
