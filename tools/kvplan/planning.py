@@ -1,0 +1,343 @@
+"""Topology planning: a TP x PP layout with a per-stage layer split, the 1M-context
+workspaces, weights and KV budget per stage, KV tokens and 1M sequences, the split search."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .accounting import paged_request_bytes, stack_bytes_per_token
+from .errors import PlannerInputError
+from .layers import CacheFormat, Layer
+from .models import ModelFacts, build_stack
+from .sizes import (CONTEXT_1M, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                    GiB, LOGICAL_BLOCK, MiB, SWA_BLOCK)
+from .weights import WEIGHT_BYTES, WeightDtypes, layer_params
+
+
+# --------------------------------------------------------------------------------------
+# Topology planning
+# --------------------------------------------------------------------------------------
+# 1M-context workspaces vLLM reserves per GPU during its profiling run (so they come out
+# of the KV budget):
+# - sparse_mla_prefill_workspace_factor: 2 when max_model_len > 256K, else 5
+#   (config/vllm.py);
+# - indexer K-gather workspace: get_max_prefill_buffer_size = max_model_len *
+#   (576 * 2 // 132) * factor entries, divided by the layer's compress ratio, each entry
+#   one indexer row (v1/attention/backends/mla/indexer.py; _gather_workspace_shapes in
+#   model_executor/layers/sparse_attn_indexer.py);
+# - sparse-MLA prefill workspace: factor * max_model_len * 576 * 2 B (the sizing the
+#   indexer.py comment gives for the FlashMLA sparse workspace; assumed the same for the
+#   SM80 Triton path);
+# - a dummy logits tensor of VLLM_SPARSE_INDEXER_MAX_LOGITS_MB = 512 MiB (envs.py).
+PREFILL_BUFFER_ENTRIES_PER_TOKEN = 576 * 2 // 132  # = 8
+MLA_WORKSPACE_BYTES_PER_TOKEN = 576 * 2
+INDEXER_LOGITS_BYTES = 512 * MiB
+
+
+def workspace_factor(max_model_len: int) -> int:
+    return 5 if max_model_len <= 256 * 1024 else 2
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A TP x PP layout. ``tp`` has one entry per pipeline stage (asymmetric TP allowed)."""
+
+    gpus: int
+    gpu_mem_gib: float
+    tp: tuple[int, ...]
+    split: tuple[int, ...]
+    util: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # Per-GPU memory that is neither weights, KV nor the 1M-context workspaces above:
+    # peak activations of the profiling run at 2048 batched tokens, CUDA graphs, NCCL
+    # buffers, the CUDA context, the sampler. An assumption (vLLM measures it at start-up).
+    base_reserve_gib: float = 2.0
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int = CONTEXT_1M
+    # V4.1 YOCO readers whose kv source sits on another stage: "replicate" plans a copy of
+    # the source's compressed + indexer cache on the reader's stage; "reject" fails like
+    # upstream 0.33.0 does.
+    cross_stage_kv: str = "replicate"
+    engram_on_gpu: bool = False   # V4.1 Engram tables resident (else host/UVA offload)
+    load_draft: bool = False      # speculative-decoding drafter (MTP / DSpark) on last stage
+    label: str = ""
+
+    @property
+    def pp(self) -> int:
+        return len(self.split)
+
+
+def parse_int_list(text: str, field_name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError as e:
+        raise PlannerInputError(field_name, f"expected comma-separated integers, got {text!r}") from e
+    if not values or any(v <= 0 for v in values):
+        raise PlannerInputError(field_name, f"expected positive integers, got {text!r}")
+    return values
+
+
+def even_split(num_layers: int, pp: int) -> tuple[int, ...]:
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + (1 if i < extra else 0) for i in range(pp))
+
+
+def validate_topology(topo: Topology, model: ModelFacts) -> None:
+    arch = model.arch
+    n = arch["num_hidden_layers"]
+    if not 0 < topo.util <= 1:
+        raise PlannerInputError("util", f"must be in (0, 1], got {topo.util}")
+    if topo.gpu_mem_gib <= 0:
+        raise PlannerInputError("gpu_mem_gib", f"must be positive, got {topo.gpu_mem_gib}")
+    if len(topo.tp) != topo.pp:
+        raise PlannerInputError("tp", f"{len(topo.tp)} TP sizes for {topo.pp} pipeline stages")
+    if sum(topo.split) != n:
+        raise PlannerInputError(
+            "split", f"layer split {','.join(map(str, topo.split))} sums to {sum(topo.split)}, "
+            f"but {model.name} has {n} layers")
+    if sum(topo.tp) != topo.gpus:
+        raise PlannerInputError("gpus", f"the stages use {sum(topo.tp)} GPUs (sum of TP sizes), "
+                                f"{topo.gpus} given")
+    for tp in sorted(set(topo.tp)):
+        for key in ("num_attention_heads", "o_groups"):
+            if arch[key] % tp:
+                raise PlannerInputError("tp", f"TP {tp} does not divide {key}={arch[key]} of {model.name}")
+    if topo.cross_stage_kv not in ("replicate", "reject"):
+        raise PlannerInputError("cross_stage_kv", f"expected replicate|reject, got {topo.cross_stage_kv!r}")
+
+
+def stage_ranges(split: tuple[int, ...]) -> list[range]:
+    out, start = [], 0
+    for n in split:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def stage_caches(layers: list[Layer], ids: range) -> tuple[list[Layer], list[int]]:
+    """Layers whose caches a stage holds: its own, plus a replica of each kv source that a
+    reader in this stage needs from another stage. Returns (layers, replicated source ids)."""
+    held = [layers[i] for i in ids]
+    foreign = sorted({x.kv_source for x in held
+                      if x.kv_source is not None and x.kv_source not in ids})
+    replicas = [_context_only(layers[s]) for s in foreign]
+    return held + replicas, foreign
+
+
+def _context_only(layer: Layer) -> Layer:
+    """The source's compressed + indexer caches (what a remote reader needs)."""
+    return dataclasses.replace(layer, label=f"replica of layer {layer.index}",
+                               caches=tuple(c for c in layer.caches if c.growth == "context"))
+
+
+def workspace_bytes(held: list[Layer], topo: Topology) -> dict[str, float]:
+    """The 1M-context workspaces a stage's GPUs reserve (see the constants above)."""
+    factor = workspace_factor(topo.max_model_len)
+    indexers = [c for x in held for c in x.caches if c.name.endswith(".indexer")]
+    sparse = any(x.owns_context_cache() for x in held)
+    out = {"indexer_k_gather": 0.0, "sparse_mla_prefill": 0.0, "indexer_logits": 0.0}
+    if indexers:
+        ratio = min(c.tokens_per_state for c in indexers)
+        entries = topo.max_model_len * PREFILL_BUFFER_ENTRIES_PER_TOKEN * factor // ratio
+        out["indexer_k_gather"] = entries * max(c.record_bytes for c in indexers)
+        out["indexer_logits"] = INDEXER_LOGITS_BYTES
+    if sparse:
+        out["sparse_mla_prefill"] = factor * topo.max_model_len * MLA_WORKSPACE_BYTES_PER_TOKEN
+    return out
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    layers: str
+    tp: int
+    weights_gib: float
+    reserve_gib: float           # base reserve + 1M-context workspaces
+    kv_budget_gib: float
+    kv_bytes_per_token: float
+    request_bytes: int           # vLLM-style per-request reservation at max_model_len
+    kv_tokens: int               # raw tokens that fit (per-token bytes, no per-seq overhead)
+    seqs: float                  # max_model_len sequences that fit (vLLM concurrency)
+    replicated_sources: tuple[int, ...] = ()
+
+
+@dataclass
+class Plan:
+    model: str
+    label: str
+    topology: dict[str, Any]
+    cache_format: str
+    stages: list[StagePlan]
+    kv_tokens: int = 0           # min over stages: GPU-resident KV tokens of the pipeline
+    seqs: float = 0.0            # min over stages: max_model_len sequences
+    reported_tokens: int = 0     # what vLLM logs: int(seqs * max_model_len)
+    fits: bool = True
+    warnings: list[str] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def bottleneck(self) -> StagePlan:
+        return min(self.stages, key=lambda st: st.seqs)
+
+
+def stage_weight_bytes(model: ModelFacts, layers: list[Layer], ids: range, tp: int,
+                       dtypes: WeightDtypes, first: bool, last: bool, topo: Topology) -> float:
+    """Weight bytes on one GPU of a stage."""
+    arch = model.arch
+    eb, db = WEIGHT_BYTES[dtypes.expert], WEIGHT_BYTES[dtypes.dense]
+    total = 0.0
+    for i in ids:
+        p = layer_params(arch, layers[i])
+        total += p.expert * eb / tp + p.dense_tp * db / tp + p.dense_rep * db
+    vocab_h = arch["vocab_size"] * arch["hidden_size"]
+    total += (first + last) * vocab_h * WEIGHT_BYTES[dtypes.embed] / tp  # vocab-parallel
+    if topo.engram_on_gpu and model.engram_params_b:
+        total += _engram_bytes(model, ids, dtypes) / tp
+    if topo.load_draft and last and model.draft_params_b:
+        total += model.draft_params_b * 1e9 * eb / tp
+    return total
+
+
+def _engram_bytes(model: ModelFacts, ids: range, dtypes: WeightDtypes) -> float:
+    """Engram tables of the layers in ``ids`` (row-sharded across TP, split evenly
+    between the engram layers)."""
+    engram_layers = list(model.arch.get("engram_layer_ids") or [])
+    if not engram_layers:
+        return 0.0
+    here = sum(1 for i in engram_layers if i in ids)
+    return model.engram_params_b * 1e9 * WEIGHT_BYTES[dtypes.engram] * here / len(engram_layers)
+
+
+def plan(model: ModelFacts, topo: Topology, dtypes: WeightDtypes = WeightDtypes(),
+         fmt: CacheFormat = CacheFormat("fp8", "fp4"), layers: list[Layer] | None = None) -> Plan:
+    """Weights per GPU, KV budget, KV tokens and 1M sequences per stage and overall.
+    ``layers`` (the stack for ``fmt``) may be passed in to skip rebuilding it."""
+    validate_topology(topo, model)
+    layers = layers or build_stack(model, fmt)
+    result = Plan(model.name, topo.label, dataclasses.asdict(topo), fmt.label(), [])
+    ranges = stage_ranges(topo.split)
+    for s, ids in enumerate(ranges):
+        held, foreign = stage_caches(layers, ids)
+        if foreign:
+            _cross_stage(result, topo, s, ids, foreign, layers)
+        weights = stage_weight_bytes(model, layers, ids, topo.tp[s], dtypes, s == 0,
+                                     s == len(ranges) - 1, topo)
+        result.stages.append(_stage_plan(s, ids, topo, held, foreign, weights))
+    if len(set(topo.tp)) > 1:
+        result.warnings.append(
+            f"per-stage TP sizes {'/'.join(map(str, topo.tp))}: vLLM 0.33.0 has one "
+            "tensor_parallel_size for every pipeline stage (config/parallel.py), so an asymmetric "
+            "layout needs two engines with a hand-off or a patched launcher; planned as if supported")
+    _summarize(result, topo)
+    result.assumptions = plan_assumptions(model, topo, dtypes, fmt)
+    return result
+
+
+def _stage_plan(s: int, ids: range, topo: Topology, held: list[Layer], foreign: list[int],
+                weights: float) -> StagePlan:
+    in_flight = topo.pp * topo.max_num_batched_tokens  # VllmConfig.max_in_flight_tokens
+    reserve = topo.base_reserve_gib * GiB + sum(workspace_bytes(held, topo).values())
+    budget = max(topo.util * topo.gpu_mem_gib * GiB - weights - reserve, 0.0)
+    per_token = stack_bytes_per_token(held)
+    request = paged_request_bytes(held, topo.max_model_len, in_flight)
+    tokens = int(budget // per_token) if per_token else 0
+    seqs = budget / request if request else 0.0
+    return StagePlan(s, f"{ids.start}-{ids.stop - 1}", topo.tp[s], weights / GiB, reserve / GiB,
+                     budget / GiB, per_token, request, tokens, seqs, tuple(foreign))
+
+
+def _cross_stage(result: Plan, topo: Topology, s: int, ids: range, foreign: list[int],
+                 layers: list[Layer]) -> None:
+    readers = [i for i in ids if layers[i].kv_source in foreign]
+    who = (f"layer {readers[0]} reads" if len(readers) == 1
+           else f"layers {readers[0]}-{readers[-1]} read")
+    msg = (f"stage {s}: {who} the KV of layer "
+           f"{', '.join(map(str, foreign))} on an earlier stage; upstream 0.33.0 raises "
+           "NotImplementedError ('PP splits inside a v4.1 kv-sharing group are not supported', "
+           "models/deepseek_v41/attention.py)")
+    if topo.cross_stage_kv == "reject":
+        raise PlannerInputError("split", msg)
+    result.warnings.append(msg + "; planned with a replica of that layer's compressed + indexer "
+                           "cache on this stage (assumes the overlay ships the source latent with "
+                           "the PP activations)")
+
+
+def _summarize(result: Plan, topo: Topology) -> None:
+    for st in result.stages:
+        if st.kv_budget_gib <= 0:
+            result.fits = False
+            result.warnings.append(
+                f"stage {st.stage}: weights {st.weights_gib:.1f} GiB + reserve {st.reserve_gib:.1f} GiB "
+                f"exceed {topo.util:g} x {topo.gpu_mem_gib:g} GiB per GPU; does not fit")
+    result.kv_tokens = min(st.kv_tokens for st in result.stages)
+    result.seqs = min(st.seqs for st in result.stages)
+    result.reported_tokens = int(result.seqs * topo.max_model_len)
+
+
+def plan_assumptions(model: ModelFacts, topo: Topology, dtypes: WeightDtypes,
+                     fmt: CacheFormat) -> list[str]:
+    """Every assumption behind a plan, in words."""
+    factor = workspace_factor(topo.max_model_len)
+    a = [
+        f"model facts: {model.source}; parameters computed from config shapes (mHC and norms ignored)",
+        f"weights: experts {dtypes.expert} ({WEIGHT_BYTES[dtypes.expert]:.4f} B/param incl. scales), "
+        f"dense {dtypes.dense} ({WEIGHT_BYTES[dtypes.dense]:.4f} B/param), embedding/LM head "
+        f"{dtypes.embed}; experts and wq_b/wo_a/wo_b sharded by TP; low-rank input projections, "
+        "compressor, indexer and router replicated; embedding on the first stage, LM head on the last",
+        f"KV cache: {fmt.label()}; MLA caches have one KV head, so every TP rank of a stage holds "
+        "the whole stage's KV (max_tp_shards=1)",
+        f"memory: {topo.gpu_mem_gib:g} GiB per GPU x gpu_memory_utilization {topo.util:g}, minus "
+        f"weights, minus a {topo.base_reserve_gib:g} GiB base reserve (activations at "
+        f"{topo.max_num_batched_tokens} batched tokens, CUDA graphs, NCCL, CUDA context), minus the "
+        f"1M-context workspaces (workspace factor {factor}: indexer K-gather, sparse-MLA prefill, "
+        "512 MiB indexer logits)",
+        f"paging: {LOGICAL_BLOCK}-token logical blocks for compressed/indexer caches, SWA blocks of "
+        f"{SWA_BLOCK[model.family]}, alignment padding as upstream; per-request reservation at "
+        f"max_model_len {topo.max_model_len:,} with {topo.pp} x {topo.max_num_batched_tokens} in-flight "
+        "tokens for sliding windows (VllmConfig.max_in_flight_tokens)",
+        "kv_tokens = KV budget / marginal bytes per token (bottleneck stage); seqs = KV budget / "
+        "per-request reservation (vLLM's max concurrency); reported_tokens = int(seqs x max_model_len), "
+        "the figure vLLM logs as 'GPU KV cache size'",
+        "each pipeline stage sizes its own pool; the pipeline is limited by its worst stage",
+    ]
+    if model.family == "v41":
+        a.append("V4.1 Engram tables " + ("resident on GPU (row-sharded across TP)" if topo.engram_on_gpu
+                                         else "offloaded to host memory (engram cpu_offload, as the "
+                                         "upstream recipe does on 80 GB GPUs)"))
+    a.append("speculative-decoding drafter " + ("loaded on the last stage" if topo.load_draft
+                                                else "not loaded"))
+    return a
+
+
+def search_split(model: ModelFacts, topo: Topology, dtypes: WeightDtypes = WeightDtypes(),
+                 fmt: CacheFormat = CacheFormat("fp8", "fp4"), slack: int = 1) -> Plan:
+    """The best plan over layer splits within ``slack`` layers of an even split: most 1M
+    sequences, then fewest cross-stage replicas, then the lightest heaviest stage."""
+    n = model.arch["num_hidden_layers"]
+    layers = build_stack(model, fmt)
+    candidates = [plan(model, dataclasses.replace(topo, split=split), dtypes, fmt, layers)
+                  for split in _near_even_splits(n, topo.pp, slack)]
+    return max(candidates, key=_split_rank)
+
+
+def _split_rank(p: Plan) -> tuple[float, int, float]:
+    replicas = sum(len(st.replicated_sources) for st in p.stages)
+    return (round(p.seqs, 6), -replicas, -max(st.weights_gib for st in p.stages))
+
+
+def _near_even_splits(n: int, pp: int, slack: int):
+    base = n // pp
+    choices = range(max(1, base - slack), base + slack + 2)
+
+    def rec(prefix: tuple[int, ...], left: int):
+        if len(prefix) == pp - 1:
+            if left in choices:
+                yield prefix + (left,)
+            return
+        for c in choices:
+            if c < left:
+                yield from rec(prefix + (c,), left - c)
+
+    yield from rec((), n)
