@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+import subproc
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -17,7 +18,6 @@ def run_json(code: str, timeout: int = 600):
     line holds."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO / "overlay")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    r = subproc.run([sys.executable, "-c", code], env=env, cap=timeout)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

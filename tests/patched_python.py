@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import subproc
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD = Path(os.environ.get("DEEPINFER_BUILD", REPO / "build"))
@@ -30,8 +31,7 @@ def run_json(args: list[str], env: dict[str, str], timeout: int = 600):
     full = {k: v for k, v in os.environ.items()
             if not k.startswith("DEEPINFER_") and k != "TRITON_INTERPRET"}
     full.update(env, PYTHONPATH=str(PATCHED), CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([sys.executable, *args], env=full, capture_output=True, text=True,
-                       timeout=timeout, cwd=str(REPO))
+    r = subproc.run([sys.executable, *args], env=full, cap=timeout, cwd=str(REPO))
     last = (r.stderr.strip().splitlines() or [""])[-1]
     if r.returncode != 0 and last.startswith("ModuleNotFoundError"):
         _skip_or_fail(last)

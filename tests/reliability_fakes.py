@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import subproc
+
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = REPO / "tools"
 
@@ -81,8 +83,7 @@ def copy_tree(src: Path, dst: Path) -> None:
 
 
 def run_tool(tool: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOLS / tool), *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+    return subproc.run([sys.executable, str(TOOLS / tool), *args], env=env, cap=120)
 
 
 def clean_env(**extra) -> dict:
@@ -116,6 +117,5 @@ sys.exit(rc)
 
 
 def run_killed(kill_at: int, argv: list[str], prefix: str = "", skip: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", KILL_DRIVER, str(TOOLS), str(kill_at), prefix,
-                           skip, *argv], capture_output=True, text=True, env=clean_env(),
-                          timeout=120)
+    return subproc.run([sys.executable, "-c", KILL_DRIVER, str(TOOLS), str(kill_at), prefix,
+                        skip, *argv], env=clean_env(), cap=120)

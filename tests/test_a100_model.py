@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import a100_model as m
+import subproc
 
 REPO = Path(__file__).resolve().parent.parent
 VALIDATION = REPO / "benchmarks" / "results" / "a100-model-validation.json"
@@ -222,9 +222,9 @@ def test_counts_command_compiles_sm80_and_sm90(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "overlay"), str(REPO / "tools")])
     outs = {}
     for cc in (80, 90):
-        r = subprocess.run([sys.executable, str(REPO / "tools" / "a100_model.py"), "counts",
-                            "--kernel", "fp8._e4m3_decode_kernel[sm80]", "--cc", str(cc), "--ops"],
-                           env=env, capture_output=True, text=True, timeout=300)
+        r = subproc.run([sys.executable, str(REPO / "tools" / "a100_model.py"), "counts",
+                         "--kernel", "fp8._e4m3_decode_kernel[sm80]", "--cc", str(cc), "--ops"],
+                        env=env, cap=300)
         assert r.returncode == 0, r.stderr[-2000:]
         outs[cc] = r.stdout
     assert "I2F.U32" in outs[80] and "I2FP" not in outs[80]
@@ -236,9 +236,8 @@ def test_tool_refuses_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "overlay"), str(REPO / "tools")])
     env["DEEPINFER_BUILD"] = "/nonexistent-a100-model-cache"
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "a100_model.py"), "counts",
-                        "--kernel", "fp8._e4m3_decode_kernel[sm80]"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subproc.run([sys.executable, str(REPO / "tools" / "a100_model.py"), "counts",
+                     "--kernel", "fp8._e4m3_decode_kernel[sm80]"], env=env, cap=120)
     assert r.returncode == 2 and "TRITON_INTERPRET" in r.stderr
 
 
@@ -313,8 +312,7 @@ print(json.dumps(us))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "overlay"), str(REPO / "tools")])
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subproc.run([sys.executable, "-c", code], env=env, cap=600)
     assert r.returncode == 0, r.stderr[-2000:]
     us = json.loads(r.stdout.strip().splitlines()[-1])
     assert us["True"] < 0.9 * us["False"], us

@@ -1,10 +1,10 @@
 """vllm.deepinfer.arch / envs: variant tables, forcing, and per-feature fallbacks."""
 import os
-import subprocess
 import sys
 
 import pytest
 
+import subproc
 from vllm.deepinfer import arch, envs
 
 
@@ -70,8 +70,7 @@ def _import_log(env_extra):
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout);"
             "import vllm.deepinfer; import sys; print('triton' in sys.modules, 'vllm.platforms' in sys.modules);"
             "import torch; print(torch.cuda.is_initialized())")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subproc.run([sys.executable, "-c", code], env=env, cap=120)
 
 
 def test_import_logs_one_line_and_needs_no_vllm():

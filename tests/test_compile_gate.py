@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import subproc
 from vllm.deepinfer import compile_gate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,8 +33,8 @@ def _env():
 @pytest.fixture(scope="module")
 def gate_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("gate") / "gate.json"
-    r = subprocess.run([sys.executable, "-m", "vllm.deepinfer.compile_gate", "--json", str(out)],
-                       env=_env(), capture_output=True, text=True, timeout=1500)
+    r = subproc.run([sys.executable, "-m", "vllm.deepinfer.compile_gate", "--json", str(out)],
+                    env=_env(), cap=1500)
     print(r.stdout)
     if not out.is_file():
         pytest.fail(f"compile gate did not run: {r.stderr[-2000:]}")
@@ -61,13 +61,11 @@ def test_kernel_compiles_within_budget(gate_results, name, cc):
 
 
 def test_gate_rejects_fp8e4nv_and_oversized_tiles():
-    r = subprocess.run([sys.executable, str(REPO / "tests" / "gate_probes.py")], env=_env(),
-                       capture_output=True, text=True, timeout=300)
+    r = subproc.run([sys.executable, str(REPO / "tests" / "gate_probes.py")], env=_env(), cap=300)
     assert r.returncode == 0 and "probes ok" in r.stdout, r.stderr[-3000:]
 
 
 def test_gate_refuses_interpreter_mode():
     env = dict(_env(), TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "vllm.deepinfer.compile_gate"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subproc.run([sys.executable, "-m", "vllm.deepinfer.compile_gate"], env=env, cap=120)
     assert r.returncode == 2 and "unset TRITON_INTERPRET" in r.stderr

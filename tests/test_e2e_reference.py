@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import reference as R  # noqa: E402
 import make_checkpoint as MC  # noqa: E402
 import compare  # noqa: E402
+import subproc  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=512, num_attention_heads=8, o_groups=8,
             q_lora_rank=128, o_lora_rank=64, sliding_window=8, index_topk=16,
@@ -121,8 +121,7 @@ def vllm_out(ckpts, tmp_path_factory):
     (d / "probe.py").write_text(PROBE)
     env = dict(os.environ, PYTHONPATH=str(PATCHED), CUDA_VISIBLE_DEVICES="",
                TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, str(d / "probe.py"), str(d)], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subproc.run([sys.executable, str(d / "probe.py"), str(d)], env=env, cap=300)
     if r.returncode != 0:
         last = r.stderr.strip().splitlines()[-1]
         if last.startswith("ModuleNotFoundError") and "'vllm" not in last:

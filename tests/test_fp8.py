@@ -318,13 +318,13 @@ def gate():
     functions, so it runs in a subprocess without TRITON_INTERPRET."""
     import json
     import os
-    import subprocess
     import sys
+
+    import subproc
     repo = SUITE.parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _GATE_SCRIPT, str(repo / "overlay"),
-                          str(repo / "build"), str(SUITE)], env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subproc.run([sys.executable, "-c", _GATE_SCRIPT, str(repo / "overlay"),
+                       str(repo / "build"), str(SUITE)], env=env, cap=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return {(r["name"], r["cc"]): r for r in json.loads(out.stdout.strip().splitlines()[-1])}
 

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +31,7 @@ import pytest
 import torch
 
 import make_checkpoint as mk
+import subproc
 from _common import ToolError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -444,9 +444,8 @@ def _probe_results() -> tuple[dict, Path]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.is_file():
             work = d / "work"
-            r = subprocess.run([sys.executable, str(PROBE), str(work)],
-                               env=_probe_env(), cwd=REPO, capture_output=True, text=True,
-                               timeout=600)
+            r = subproc.run([sys.executable, str(PROBE), str(work)],
+                            env=_probe_env(), cwd=REPO, cap=600)
             shutil.rmtree(work, ignore_errors=True)
             lines = r.stdout.strip().splitlines()
             if r.returncode != 0 or not lines:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from vllm.deepinfer import envs, mhc, routing
 from test_vllm_import import REQUIRE, _unavailable
 from test_vllm_import import _probe_env as _base_probe_env
+import subproc
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = Path(__file__).with_name("mhc_vllm_probe.py")
@@ -123,8 +123,8 @@ def _need_probe():
 @pytest.fixture(scope="module")
 def first_layer():
     _need_probe()
-    r = subprocess.run([sys.executable, str(PROBE), "first_layer"], env=_probe_env(), cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+    r = subproc.run([sys.executable, str(PROBE), "first_layer"], env=_probe_env(), cwd=REPO,
+                    cap=600)
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
         pytest.fail(f"mhc probe failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
@@ -156,8 +156,7 @@ def test_patched_first_layer_runs_tilelang_prenorm(first_layer, case, hidden, n_
 @pytest.fixture(scope="module")
 def projection():
     _need_probe()
-    r = subprocess.run([sys.executable, str(PROBE), "projection"], env=_probe_env(), cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+    r = subproc.run([sys.executable, str(PROBE), "projection"], env=_probe_env(), cwd=REPO, cap=600)
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
         pytest.fail(f"mhc probe failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
@@ -313,8 +312,7 @@ def test_warmup_keys_cover_every_dispatched_projection(arch_env):
 @pytest.fixture(scope="module")
 def warm():
     _need_probe()
-    r = subprocess.run([sys.executable, str(PROBE), "warmup"], env=_probe_env(), cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+    r = subproc.run([sys.executable, str(PROBE), "warmup"], env=_probe_env(), cwd=REPO, cap=600)
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
         pytest.fail(f"mhc probe failed (rc {r.returncode}):\n{r.stderr[-4000:]}")

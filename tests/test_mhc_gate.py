@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from test_mhc import _need_probe
 from test_vllm_import import BUILD, _probe_env
+import subproc
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET = 48 * 1024
@@ -38,8 +38,8 @@ def _env():
 def gate(tmp_path_factory):
     _need_probe()
     out = tmp_path_factory.mktemp("gate-mhc") / "gate-mhc.json"
-    r = subprocess.run([sys.executable, "-m", "vllm.deepinfer.mhc.gate", "--json", str(out)],
-                       env=_env(), cwd=REPO, capture_output=True, text=True, timeout=1800)
+    r = subproc.run([sys.executable, "-m", "vllm.deepinfer.mhc.gate", "--json", str(out)],
+                    env=_env(), cwd=REPO, cap=1800)
     if not out.is_file():
         pytest.fail(f"mhc gate did not run (rc {r.returncode}): {r.stderr[-3000:]}")
     print(r.stdout)
@@ -85,8 +85,8 @@ def test_gate_reports_resources(gate):
 
 def test_gate_rejects_pdl_and_oversized_shared_memory():
     _need_probe()
-    r = subprocess.run([sys.executable, str(REPO / "tests" / "mhc_gate_probes.py")], env=_env(),
-                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    r = subproc.run([sys.executable, str(REPO / "tests" / "mhc_gate_probes.py")], env=_env(),
+                    cwd=REPO, cap=900)
     lines = r.stdout.strip().splitlines()
     assert r.returncode == 0 and lines, r.stderr[-3000:]
     got = json.loads(lines[-1])
@@ -99,8 +99,8 @@ def test_gate_rejects_pdl_and_oversized_shared_memory():
 def test_gate_needs_the_vllm_tree():
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
     env["PYTHONPATH"] = str(REPO / "overlay")
-    r = subprocess.run([sys.executable, "-m", "vllm.deepinfer.mhc.gate", "--list"], env=env,
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subproc.run([sys.executable, "-m", "vllm.deepinfer.mhc.gate", "--list"], env=env,
+                    cwd=REPO, cap=300)
     assert r.returncode == 2 and "build/patched" in r.stderr, r.stderr[-2000:]
 
 

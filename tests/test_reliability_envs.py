@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from vllm.deepinfer import envs
 from reliability_fakes import REPO, clean_env
+import subproc
 
 FEATURE_VARS = {envs.feature_variable(f) for f in envs.FEATURES}
 # Values a registered variable may take in these tests (anything for the free-form ones).
@@ -70,8 +70,7 @@ def _import(**extra):
     env = clean_env(PYTHONPATH=str(REPO / "overlay"), TRITON_INTERPRET="1", **extra)
     code = ("import logging, sys; logging.basicConfig(stream=sys.stderr, level=logging.WARNING);"
             "import vllm.deepinfer; print('imported')")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subproc.run([sys.executable, "-c", code], env=env, cap=120)
 
 
 def test_import_fails_loudly_on_a_misspelt_switch():

@@ -128,14 +128,14 @@ def test_hopper_build():
     partitions; no local memory; the partitions take the register split of the module."""
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
+
+    import subproc
     repo = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(repo / "overlay")
-    r = subprocess.run([sys.executable, "-c", _BUILD], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subproc.run([sys.executable, "-c", _BUILD], env=env, cap=600)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert 208 * 1024 <= got["shared"] <= 227 * 1024, got

@@ -20,13 +20,13 @@ import fcntl
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+import subproc
 import vllm_import_probe
 from vllm.deepinfer import envs
 from vllm.deepinfer.attention import selector
@@ -97,8 +97,7 @@ def _probe_env() -> dict[str, str]:
 
 
 def _run_probe(scenario: str) -> dict:
-    r = subprocess.run([sys.executable, str(PROBE), scenario], env=_probe_env(), cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    r = subproc.run([sys.executable, str(PROBE), scenario], env=_probe_env(), cwd=REPO, cap=300)
     lines = r.stdout.strip().splitlines()
     if r.returncode != 0 or not lines:
         pytest.fail(f"probe {scenario} failed (rc {r.returncode}):\n{r.stderr[-4000:]}")

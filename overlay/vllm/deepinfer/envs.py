@@ -107,10 +107,13 @@ VARIABLES: dict[str, str] = {
     "DEEPINFER_ARCH": "force a kernel variant (sm80, sm86, sm89, sm90, sm100, cpu)",
     "DEEPINFER_ENV_CHECK": "`error` (default) or `warn`: import's answer to a bad DEEPINFER_*",
     "DEEPINFER_BUILD": "tools and tests: the build directory (default build/)",
-    "DEEPINFER_CACHE": "tools/upstream.py: the sdist cache (default ~/.cache/deepinfer)",
+    "DEEPINFER_CACHE": "tools/upstream.py and the Makefile: the sdist, venv and compile "
+                       "caches (default ~/.cache/deepinfer)",
     "DEEPINFER_VLLM_SDIST": "tools/upstream.py: a local vllm-0.33.0.tar.gz (offline)",
     "DEEPINFER_VLLM_TREE": "tools/upstream.py: a local extracted vLLM 0.33.0 tree (offline)",
     "DEEPINFER_REQUIRE_UPSTREAM": "tests: 1 turns missing build outputs into failures",
+    "DEEPINFER_TEST_TIME_SCALE": "tests: multiplies the load-scaled wall-time cap of the "
+                                 "subprocesses tests wait on (tests/subproc.py)",
     "DEEPINFER_COMMIT": "benchmarks: the commit recorded in results when git cannot tell",
     "DEEPINFER_SUITE_PART": "benchmarks: i/n runs the i-th of n slices of the "
                             "sparse_mla_prefill suite's full case list",
