@@ -15,6 +15,7 @@ import subprocess
 import pytest
 
 from reliability_fakes import REPO
+import subproc
 
 # Assembled from pieces so that this file does not match itself.
 _OUTSIDE = ["../" + "shared", "DESIGN" + ".md"]
@@ -107,12 +108,12 @@ def test_make_verify_prints_ok_only_after_its_tests_pass(tmp_path, rc):
     """Before: the recipe echo showed the OK line before pytest ran (and even when it failed)."""
     if subprocess.run(["make", "--version"], capture_output=True).returncode != 0:
         pytest.skip("no make")
-    old = ["-o", "venv", "-o", "upstream-kernels", "-o", "build/patched/.ok", "-o",
-           "combined-check", "-o", "overlay", "-o", "gate"]
+    old = ["-o", "venv", "-o", "venv-base", "-o", "upstream-kernels", "-o", "build/patched/.ok",
+           "-o", "combined-check", "-o", "overlay", "-o", "gate"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS"))}
-    r = subprocess.run(["make", "--no-print-directory", *old, "verify",
-                        f"PY={_fake_python(tmp_path, rc)}"],
-                       cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
+    r = subproc.run(["make", "--no-print-directory", *old, "verify",
+                     f"PY={_fake_python(tmp_path, rc)}", "STEP_MAKEFLAGS=" + " ".join(old)],
+                    cwd=REPO, env=env, cap=120)
     out = r.stdout + r.stderr
     assert "PYTEST-RAN" in out, out
     if rc == 0:
