@@ -158,11 +158,13 @@ def sm80_figures(c: Cand, tokens_list=TOKENS) -> dict:
     per kernel) and the A100 model's predictions (us): A100-40GB and H200, per phase."""
     os.environ.pop("TRITON_INTERPRET", None)
     import a100_model as am
+    from a100cost import builds as am_builds  # where the model reads CACHE and _spec
+    from a100cost import workloads as am_workloads
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
     # Never the shared build/ directory; one folder per pool worker (no two processes
     # write one cache file).
-    am.CACHE = MODEL_CACHE / f"w{(mp.current_process()._identity or (0,))[0]}"
-    real_spec = am._spec
+    am_builds.CACHE = MODEL_CACHE / f"w{(mp.current_process()._identity or (0,))[0]}"
+    real_spec = am_workloads._spec
 
     def spec(name, **kw):   # phase 1's warps and keys per tile are not in the gate spec
         s = real_spec(name, **kw)
@@ -173,7 +175,7 @@ def sm80_figures(c: Cand, tokens_list=TOKENS) -> dict:
     res = {"name": c.name, "kernels": {}, "pred": {}}
     keep = smd.TILES["sm80-2p"]
     kp = (smd.PREDEQUANT_BLOCK_N, smd.PREDEQUANT_PROGRAMS_PER_SM)
-    am._spec = spec
+    am_workloads._spec = spec
     smd.TILES["sm80-2p"] = c.tile()
     smd.PREDEQUANT_BLOCK_N, smd.PREDEQUANT_PROGRAMS_PER_SM = c.p1_block_n, c.p1_per_sm
     try:
@@ -198,7 +200,7 @@ def sm80_figures(c: Cand, tokens_list=TOKENS) -> dict:
     except Exception as e:  # a build that fails is a finding, not a crash of the sweep
         res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     finally:
-        am._spec = real_spec
+        am_workloads._spec = real_spec
         smd.TILES["sm80-2p"] = keep
         smd.PREDEQUANT_BLOCK_N, smd.PREDEQUANT_PROGRAMS_PER_SM = kp
     k = res["kernels"]
