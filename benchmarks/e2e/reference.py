@@ -1,3 +1,7 @@
+# Why this file stays whole: it is one fp32 forward, read top to bottom against upstream --
+# loading, the primitives only it uses, Engram hashing, then the Reference model whose
+# methods follow the decoder's order -- and each function cites the upstream function it
+# re-implements; the tests reach all of it as one module (reference.X).
 """fp32 torch reference forward of the end-to-end test checkpoints (DeepSeek-V4.1 / V4).
 
     python benchmarks/e2e/reference.py --model CKPT_DIR --lens 7 300 1500 5000 16000 \
@@ -97,7 +101,8 @@ for _p in (str(REPO / "tools"), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from make_checkpoint import _is_prime, dequantize_fp8_blocks, dequantize_mxfp4  # noqa: E402
+from ckptgen.config import _is_prime  # noqa: E402
+from ckptgen.formats import dequantize_fp8_blocks, dequantize_mxfp4  # noqa: E402
 
 ROPE_DIM = 64
 HC_POST_MULT = 2.0          # hc_post_alpha in both decoder layers
