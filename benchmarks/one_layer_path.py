@@ -16,15 +16,15 @@ import triton
 
 from one_layer_math import (D, FP8_MAX, IDX_D, NOPE, ROPE, compress_pool, cos_sin_cache,
                             dequant_wo_a)
-from vllm.deepinfer import arch, kv_record  # noqa: E402
-from vllm.deepinfer.kernels import fp8_writers_v4 as w4  # noqa: E402
-from vllm.deepinfer.kernels import fp8_writers_v41 as w41  # noqa: E402
-from vllm.deepinfer.kernels import indexer_logits as ilog  # noqa: E402
-from vllm.deepinfer.kernels import kv_gather as kvg  # noqa: E402
-from vllm.deepinfer.kernels import shapes  # noqa: E402
-from vllm.deepinfer.kernels import sparse_mla_decode as smd  # noqa: E402
-from vllm.deepinfer.kernels import sparse_mla_prefill as spm  # noqa: E402
-from vllm.deepinfer.kernels import topk_swa  # noqa: E402
+from vllm.deepinfer import arch, kv_record
+from vllm.deepinfer.kernels import fp8_writers_v4 as w4
+from vllm.deepinfer.kernels import fp8_writers_v41 as w41
+from vllm.deepinfer.kernels import indexer_logits as ilog
+from vllm.deepinfer.kernels import kv_gather as kvg
+from vllm.deepinfer.kernels import shapes
+from vllm.deepinfer.kernels import sparse_mla_decode as smd
+from vllm.deepinfer.kernels import sparse_mla_prefill as spm
+from vllm.deepinfer.kernels import topk_swa
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,8 @@
 #!/usr/bin/env python3
+# Why this file stays whole: one command over one patch series -- its subcommands share
+# the series model, the Transaction and the module-level paths (PATCH_DIR, OVERLAY_PKG,
+# COMBINED_PATCH) that the tests replace with monkeypatch.setattr(patchset, ...); split,
+# each of those would have to be patched in every module that reads it.
 """The versioned patch series: apply, refresh, combine, build the drop-in overlay.
 
     patchset.py apply   --tree DIR [--series-only] [--dry-run]
