@@ -85,7 +85,8 @@ for _m in ("vllm.deepinfer.fp8", "vllm.deepinfer.kernels.topk_swa",
            "vllm.deepinfer.kernels.sparse_mla_prefill",
            "vllm.deepinfer.kernels.fp8_writers", "vllm.deepinfer.kernels.fp8_writers_v41",
            "vllm.deepinfer.kernels.fp8_writers_v4", "vllm.deepinfer.kernels.fp8_writers_v4_compress",
-           "vllm.deepinfer.kernels.indexer_logits", "vllm.deepinfer.kernels.engram_lookup"):
+           "vllm.deepinfer.kernels.indexer_logits", "vllm.deepinfer.kernels.engram_lookup",
+           "vllm.deepinfer.kernels.inverse_rope"):
     add_provider(_m)
 
 

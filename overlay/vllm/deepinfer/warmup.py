@@ -287,6 +287,15 @@ def _writer_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[Warmu
     return keys
 
 
+def _inverse_rope_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
+    """The Ampere classes' standalone inverse RoPE of the rows no decode epilogue rotated
+    (attention/common.py, kernels/inverse_rope.py): one configuration (512-dim rows, 64
+    rotated lanes); the head count and the positions' alignment are unspecialized."""
+    from vllm.deepinfer.kernels import inverse_rope as ir
+    return [WarmupKey("inverse_rope", tuple(sorted(ir.gate_constexprs().items())),
+                      ir.NUM_WARPS, ir.NUM_STAGES)]
+
+
 def _serve_warmup_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     from vllm.deepinfer import warmup_upstream as wu
     keys = wu.ragged_keys(WarmupKey)
@@ -304,6 +313,7 @@ _KEYS: dict[str, Callable[[ModelShapes, str, int], list[WarmupKey]]] = {
     "sparse_mla_prefill": _prefill_keys,
     "indexer_logits": _indexer_logits_keys,
     "fp8_sw": _writer_keys,
+    "ampere_attn": _inverse_rope_keys,
     "serve_warmup": _serve_warmup_keys,
 }
 
@@ -343,6 +353,8 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
                        "_compress_sparse_attn_kernel", "_SIG"),
     "v4_compress_indexer": ("vllm.deepinfer.kernels.fp8_writers_v4_compress",
                             "_compress_indexer_kernel", "_SIG"),
+    "inverse_rope": ("vllm.deepinfer.kernels.inverse_rope", "_inverse_rope_rows_kernel",
+                     "SIGNATURE"),
 }
 
 

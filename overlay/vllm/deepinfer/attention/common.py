@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm.deepinfer import arch, routing, sorted_topk, yoco
+from vllm.deepinfer.kernels.inverse_rope import inverse_rope_rows_
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
@@ -36,7 +37,6 @@ from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
     _get_cached_wo_a_bf16,
     build_ragged_indices_from_dense,
     rocm_inv_rope_einsum,
-    rocm_inverse_rope_rows_,
     rocm_sparse_attn_decode,
     rocm_sparse_attn_prefill,
 )
@@ -287,11 +287,13 @@ class AmpereAttentionMixin:
                                           swa_metadata, comp_metadata, swa_only,
                                           output[:nd_tok])
         # Rows the decode epilogue did not rotate (prefill rows, unfused decode) get the
-        # standalone inverse RoPE here, so _o_proj always sees rotated rows.
+        # standalone inverse RoPE here, so _o_proj always sees rotated rows: ours
+        # (kernels/inverse_rope.py), whose row offsets are int64 (upstream's
+        # rocm_inverse_rope_rows_ wraps past 65,536 rows at 64 heads).
         if rotated < output.shape[0]:
-            rocm_inverse_rope_rows_(output[rotated:, : self.n_local_heads, :],
-                                    positions[rotated: output.shape[0]],
-                                    self.rotary_emb.cos_sin_cache, self.rope_head_dim)
+            inverse_rope_rows_(output[rotated:, : self.n_local_heads, :],
+                               positions[rotated: output.shape[0]],
+                               self.rotary_emb.cos_sin_cache, self.rope_head_dim)
 
     def _prefill_workspace_shapes(self, q: torch.Tensor):
         n = 0 if self._swa_only() else -(-self.max_model_len // self.compress_ratio)
