@@ -186,7 +186,9 @@ def _indexer_q_quant_kernel(
     """Program (token, head): RoPE the trailing 2*HALF_ROT dims, one fp8 scale per row."""
     NOPE: tl.constexpr = HEAD - 2 * HALF_ROT
     tl.static_assert(NOPE >= 0)
-    tok = tl.program_id(0)
+    # int64 before any stride: tok * q_stride0 (heads * 128) passes 2^31 - 1 from 262,144
+    # tokens at 64 index heads; the same holds for the uint8 output's rows.
+    tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(positions + tok)
     i = tl.arange(0, HALF_ROT)

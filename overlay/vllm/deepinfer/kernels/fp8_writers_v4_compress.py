@@ -78,7 +78,10 @@ def _pool_and_norm(state, state_stride0, state_stride1, req, position, block_tab
     rows = tl.arange(0, WINDOW)
     pos = position - WINDOW + 1 + rows
     valid = pos >= 0
-    page = tl.load(block_table + req * block_table_stride + pos // block_size, mask=valid, other=0)
+    # int64 request row: req * block_table_stride passes 2^31 - 1 from 8,192 requests at a 1M
+    # max_model_len (4-token state pages: 262,144 block-table columns).
+    page = tl.load(block_table + req.to(tl.int64) * block_table_stride + pos // block_size,
+                   mask=valid, other=0)
     row = pos % block_size
     head_offset = (rows >= COMPRESS_RATIO).to(tl.int32) * HEAD
     row_base = state + page.to(tl.int64) * state_stride0 + row * state_stride1 + head_offset

@@ -427,8 +427,10 @@ def _sparse_mla_decode_kernel(
     heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     cols = tl.arange(0, D)
-    q = tl.load(q_ptr + tok * q_stride0 + heads[:, None] * q_stride1 + cols[None, :],
-                mask=hmask[:, None], other=0.0)
+    # Row offsets in int64: tok * q_stride0 (heads * 512) passes 2^31 - 1 from 65,536 decode
+    # tokens at 64 heads (the output's rows alike).
+    q = tl.load(q_ptr + tok.to(tl.int64) * q_stride0 + heads[:, None] * q_stride1
+                + cols[None, :], mask=hmask[:, None], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -451,8 +453,8 @@ def _sparse_mla_decode_kernel(
     ws_base = main_start + extra_start  # this token's first workspace row (PREDEQUANT)
     if PREDEQUANT and QK_HALVES:
         m_i, l_i, acc = _attend_rows_halves(
-            q_ptr + tok * q_stride0, q_stride1, heads, hmask, ws_ptr, valid_ptr, ws_base, lo,
-            hi, qk_scale, DOT_FP32, BLOCK_H, BLOCK_N)
+            q_ptr + tok.to(tl.int64) * q_stride0, q_stride1, heads, hmask, ws_ptr, valid_ptr,
+            ws_base, lo, hi, qk_scale, DOT_FP32, BLOCK_H, BLOCK_N)
     else:
         if PREFETCH and not PREDEQUANT:  # the first tile's bytes; each iteration the next's
             code, sbyte, rope_bits, valid = _load_key_tile(
@@ -515,8 +517,8 @@ def _sparse_mla_decode_kernel(
         o = acc * inv_l[:, None]
         if INV_ROPE:
             o = _inv_rope_gptj(o, pos_ptr, cs_ptr, cs_stride, tok, BLOCK_H, D, NOPE)
-        tl.store(out_ptr + tok * out_stride0 + heads[:, None] * out_stride1 + cols[None, :],
-                 o.to(tl.bfloat16), mask=hmask[:, None])
+        tl.store(out_ptr + tok.to(tl.int64) * out_stride0 + heads[:, None] * out_stride1
+                 + cols[None, :], o.to(tl.bfloat16), mask=hmask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits"])  # see the decode kernel
@@ -563,8 +565,8 @@ def _sparse_mla_decode_reduce_kernel(
     o = acc * inv_l[:, None]
     if INV_ROPE:
         o = _inv_rope_gptj(o, pos_ptr, cs_ptr, cs_stride, tok, BLOCK_H, D, NOPE)
-    tl.store(out_ptr + tok * out_stride0 + heads[:, None] * out_stride1 + cols[None, :],
-             o.to(tl.bfloat16), mask=hmask[:, None])
+    tl.store(out_ptr + tok.to(tl.int64) * out_stride0 + heads[:, None] * out_stride1
+             + cols[None, :], o.to(tl.bfloat16), mask=hmask[:, None])
 
 
 # ----------------------------------------------------------------------------- host side
