@@ -65,6 +65,13 @@ UPSTREAM_KERNELS: dict[str, tuple[str, list[str]]] = {
     "v4_fused_indexer_q": ("vllm/models/deepseek_v4/common/ops/fused_indexer_q.py", [
         "FusedIndexerQRopeQuantTritonKernel.kernel",
     ]),
+    # V4.1's candidate-block mask (apply_candidate_mask's two kernels), which
+    # tests/test_candidate_logits.py and the indexer_logits suite run after the full logits
+    # as the reference for the candidate-only logits.
+    "dsa_candidate_blocks": ("vllm/model_executor/kernels/attention/dsa/candidate_blocks.py", [
+        "_candidate_flags_kernel",
+        "_mask_candidates_kernel",
+    ]),
     "v4_fused_compress": ("vllm/models/deepseek_v4/common/ops/fused_compress_quant_cache.py", [
         "_fused_kv_compress_norm_rope_insert_sparse_attn",
         "_fused_kv_compress_norm_rope_insert_indexer_attn",

@@ -67,6 +67,13 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # sparse indexer has no scorer without ours, hence on for sm89 too.
     Feature("indexer_logits", _AMPERE | {"sm89"},
             "sparse-indexer MQA logits without DeepGEMM (fp8_fp4_[paged_]mqa_logits)"),
+    # V4.1 index sources masked to candidate blocks compute logits inside those blocks only
+    # (kernels/indexer_candidate_logits.py, patch 0041), with our full kernel's bits in every
+    # range a top-k reads, so the selections are upstream's compute-then-mask ones. Taken only
+    # where our indexer logits run (indexer_logits on: the bits are our kernel's, not
+    # DeepGEMM's), hence on everywhere; 0 computes every logit and masks, as upstream does.
+    Feature("candidate_logits", _ALL,
+            "V4.1 candidate-masked index sources: logits inside the candidate blocks only"),
     # The vLLM wheel bundles DeepGEMM, so has_deep_gemm() is True on an A100 although
     # DeepGEMM has no kernels below 9.0 (its indexer metadata asserts, its GEMMs fail).
     # On, has_deep_gemm() answers False below capability 9.0 (patch 0011); it never changes

@@ -16,7 +16,8 @@ from vllm.deepinfer.kv_record import RECORD_BYTES
 logger = logging.getLogger("vllm.deepinfer")
 
 __all__ = ["use", "cutedsl_allowed", "reset", "kv_gather", "combine_topk_swa_indices",
-           "sparse_attn_decode", "sparse_attn_prefill", "mqa_logits", "paged_mqa_logits", "pack_fp8_as_bytes",
+           "sparse_attn_decode", "sparse_attn_prefill", "mqa_logits", "paged_mqa_logits",
+           "candidate_mqa_logits", "candidate_paged_mqa_logits", "pack_fp8_as_bytes",
            "fp8_writers", "rope_quant_insert", "unspecialized", "indexer_k_norm_rope_store",
            "compress_norm_rope_store", "fused_inv_rope_fp8_quant", "fused_indexer_q_rope_quant",
            "CUTEDSL_MIN_CAPABILITY"]
@@ -191,6 +192,49 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_model
         return None
     from vllm.deepinfer.kernels.indexer_logits import paged_mqa_logits as ours
     return ours(q[0], kv_cache, weights, context_lens, block_tables, max_model_len)
+
+# V4.1's index sources after the candidate source (patch 0041): upstream computes every logit,
+# then masks all but the candidate blocks to -inf. With ``candidate_logits`` on, and only
+# where our indexer logits would have answered the DeepGEMM call (the bits are our kernel's),
+# the masked logits come from the candidate blocks alone
+# (``kernels.indexer_candidate_logits``); None: upstream's compute-then-mask runs.
+def _candidates_covered(candidates, block_size: int, rows: int) -> bool:
+    return (candidates is not None and block_size > 0 and candidates.dtype == torch.int32
+            and candidates.dim() == 2 and candidates.shape[0] >= rows
+            and candidates.shape[1] >= 1
+            and (candidates.stride(1) == 1 or candidates.shape[1] == 1)
+            and use("candidate_logits"))
+
+
+def candidate_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k: int,
+                         candidates, block_size: int):
+    """Prefill: ``fp8_fp4_mqa_logits`` + ``apply_candidate_mask`` (row starts None, row ends
+    ``ke - ks``) as one result, or None. ``candidates``: the chunk's rows of the candidate
+    buffer (None for the candidate source itself and for unmasked index sources)."""
+    rows = q[0].shape[0] if isinstance(q, tuple) else -1
+    if not _candidates_covered(candidates, block_size, rows):
+        return None
+    if not _fp8_q(q) or kv[1].dtype != torch.float32 or not use("indexer_logits"):
+        return None
+    from vllm.deepinfer.kernels.indexer_candidate_logits import candidate_mqa_logits as ours
+    return ours(q[0], kv[0], kv[1], weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k,
+                candidates[:rows], block_size)
+
+
+def candidate_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
+                               max_model_len: int, indices, candidates, block_size: int):
+    """Decode: ``fp8_fp4_paged_mqa_logits`` + ``apply_candidate_mask`` (row ends the context
+    lengths, ``row_repeat`` = next_n when there is one per request) as one result, or None.
+    ``candidates``: the candidate buffer (its first B * next_n rows are read)."""
+    rows = q[0].shape[0] * q[0].shape[1] if isinstance(q, tuple) and q[0].dim() == 4 else -1
+    if indices is not None or not _candidates_covered(candidates, block_size, rows):
+        return None
+    if not _fp8_q(q) or weights.dtype != torch.float32 or not use("indexer_logits"):
+        return None
+    from vllm.deepinfer.kernels.indexer_candidate_logits import (
+        candidate_paged_mqa_logits as ours)
+    return ours(q[0], kv_cache, weights, context_lens, block_tables, max_model_len,
+                candidates[:rows], block_size)
 
 
 def pack_fp8_as_bytes(x: torch.Tensor) -> bool:

@@ -95,6 +95,69 @@ def _to_fp16(x, HW_FP8: tl.constexpr, E4B15: tl.constexpr):
         return (((xi & 0x7F) << 7) | ((xi & 0x80) << 8)).to(tl.float16, bitcast=True)
 
 
+@triton.jit
+def _row_query(q_ptr, w_ptr, row64, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
+               HW_FP8: tl.constexpr, E4B15: tl.constexpr):
+    """A row's query [H_PAD, D] as fp16 (padded heads zero) and its weights [H_PAD] (times
+    2^16 in the software decode, see ``_to_fp16``)."""
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D)
+    hmask = h < H
+    q = tl.load(q_ptr + row64 * (H * D) + h[:, None] * D + d[None, :],
+                mask=hmask[:, None], other=0)
+    q = _to_fp16(q, HW_FP8, E4B15)
+    w = tl.load(w_ptr + row64 * H + h, mask=hmask, other=0.0)
+    if not HW_FP8:
+        w = w * 65536.0  # both dot operands carry 2^-8 (see _to_fp16); exact
+    return q, w
+
+
+@triton.jit
+def _key_logits(q, w, key, valid, k_ptr, kscale_ptr, bt_row, page_stride, block_size,
+                D: tl.constexpr, PAGED: tl.constexpr, HW_FP8: tl.constexpr,
+                E4B15: tl.constexpr):
+    """Logits [BLOCK_N] fp32 of the keys ``key`` (request-local positions when ``PAGED``,
+    rows of ``k`` otherwise) against one row's ``q``/``w``. Shared by the kernel below and
+    the candidate-block kernel (kernels/indexer_candidate_logits.py): the same code at the
+    same tile gives every (row, key) the same bits in both."""
+    d = tl.arange(0, D)
+    if PAGED:
+        page = tl.load(bt_row + key // block_size, mask=valid, other=0).to(tl.int64)
+        off = key % block_size
+        base = k_ptr + page * page_stride
+        codes = tl.load(base[:, None] + off[:, None] * D + d[None, :],
+                        mask=valid[:, None], other=0)
+        scale = tl.load((base + block_size * D + off * 4).to(tl.pointer_type(tl.float32)),
+                        mask=valid, other=0.0)
+    else:
+        key64 = key.to(tl.int64)
+        codes = tl.load(k_ptr + key64[:, None] * D + d[None, :], mask=valid[:, None],
+                        other=0)
+        scale = tl.load(kscale_ptr + key64, mask=valid, other=0.0)
+    k = _to_fp16(codes, HW_FP8, E4B15)
+    # Keys on the dot's M side, heads on N: the head sum stays inside a warp.
+    s = tl.dot(k, tl.trans(q))  # [BLOCK_N, H_PAD] fp32
+    return tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+
+
+@triton.jit
+def _row_length(row, start_ptr, end_ptr, next_n, PAGED: tl.constexpr,
+                CTX_PER_ROW: tl.constexpr):
+    """(request, first key, keys seen) of a logits row (see the module doc)."""
+    if PAGED:
+        req = row // next_n
+        if CTX_PER_ROW:
+            length = tl.load(end_ptr + row)
+        else:
+            length = tl.load(end_ptr + req) - next_n + 1 + row % next_n
+        start = 0
+    else:
+        req = 0
+        start = tl.load(start_ptr + row)
+        length = tl.load(end_ptr + row) - start
+    return req, start, length
+
+
 # Runtime integers that vary per call are not specialized (no ==1 / %16 variants), so one
 # compile per constexpr set covers every call and the JIT warmup (vllm.deepinfer.warmup) can
 # build them all. ``page_stride`` stays specialized: pages are 16-byte multiples (128 x 132
@@ -115,53 +178,19 @@ def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr,
     row = tl.program_id(1)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    if PAGED:
-        req = row // next_n
-        if CTX_PER_ROW:
-            length = tl.load(end_ptr + row)
-        else:
-            length = tl.load(end_ptr + req) - next_n + 1 + row % next_n
-        start = 0
-    else:
-        req = 0
-        start = tl.load(start_ptr + row)
-        length = tl.load(end_ptr + row) - start
+    req, start, length = _row_length(row, start_ptr, end_ptr, next_n, PAGED, CTX_PER_ROW)
     ntiles = tl.cdiv(length, BLOCK_N)
     if pid < ntiles:
-        h = tl.arange(0, H_PAD)
-        d = tl.arange(0, D)
-        hmask = h < H
         row64 = row.to(tl.int64)
-        q = tl.load(q_ptr + row64 * (H * D) + h[:, None] * D + d[None, :],
-                    mask=hmask[:, None], other=0)
-        q = _to_fp16(q, HW_FP8, E4B15)
-        w = tl.load(w_ptr + row64 * H + h, mask=hmask, other=0.0)
-        if not HW_FP8:
-            w = w * 65536.0  # both dot operands carry 2^-8 (see _to_fp16); exact
+        q, w = _row_query(q_ptr, w_ptr, row64, H, H_PAD, D, HW_FP8, E4B15)
         n = tl.arange(0, BLOCK_N)
         out_row = out_ptr + row64 * out_stride
         bt_row = bt_ptr + req.to(tl.int64) * bt_stride
         for t in range(pid, ntiles, nprog):
             col = t * BLOCK_N + n
             valid = col < length
-            key = start + col
-            if PAGED:
-                page = tl.load(bt_row + key // block_size, mask=valid, other=0).to(tl.int64)
-                off = key % block_size
-                base = k_ptr + page * page_stride
-                codes = tl.load(base[:, None] + off[:, None] * D + d[None, :],
-                                mask=valid[:, None], other=0)
-                scale = tl.load((base + block_size * D + off * 4).to(tl.pointer_type(tl.float32)),
-                                mask=valid, other=0.0)
-            else:
-                key64 = key.to(tl.int64)
-                codes = tl.load(k_ptr + key64[:, None] * D + d[None, :], mask=valid[:, None],
-                                other=0)
-                scale = tl.load(kscale_ptr + key64, mask=valid, other=0.0)
-            k = _to_fp16(codes, HW_FP8, E4B15)
-            # Keys on the dot's M side, heads on N: the head sum stays inside a warp.
-            s = tl.dot(k, tl.trans(q))  # [BLOCK_N, H_PAD] fp32
-            logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+            logit = _key_logits(q, w, start + col, valid, k_ptr, kscale_ptr, bt_row,
+                                page_stride, block_size, D, PAGED, HW_FP8, E4B15)
             tl.store(out_row + col, logit, mask=valid)
 
 
@@ -197,10 +226,12 @@ def _check_q_w(q: torch.Tensor, weights: torch.Tensor, rows: int) -> tuple[int, 
 def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
                cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor, max_seqlen_k: int, *,
                variant: str | None = None, sm_count: int | None = None,
-               tile: LogitsTile | None = None) -> torch.Tensor:
+               tile: LogitsTile | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """DeepGEMM ``fp8_mqa_logits`` (FP8 path): fp32 [M, max_seqlen_k], row ``i`` holding keys
     ``[ks[i], ke[i])`` from column 0 (see module doc). ``max_seqlen_k`` must bound
-    ``ke - ks``; it sizes the output and the grid. ``tile`` overrides the variant's tile."""
+    ``ke - ks``; it sizes the output and the grid. ``tile`` overrides the variant's tile.
+    ``out``: a caller's fp32 [M, max_seqlen_k] buffer (contiguous rows) instead of a new
+    one."""
     check(q.dim() == 3, "q", lambda: f"expected [M, H, {HEAD_DIM}], got {tuple(q.shape)}")
     rows = q.shape[0]
     heads, dim = _check_q_w(q, weights, rows)
@@ -223,16 +254,19 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
                     ("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)),
                    (qb, weights, cu_seqlen_ks, cu_seqlen_ke, kb, k_scale, cu_seqlen_ks, 0, 0, 1,
                     1), paged=False, per_row=False, variant=variant, tile=tile,
-                   sm_count=sm_count)
+                   sm_count=sm_count, out=out)
 
 
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                      context_lens: torch.Tensor, block_table: torch.Tensor, max_model_len: int,
                      *, variant: str | None = None, sm_count: int | None = None,
-                     tile: LogitsTile | None = None) -> torch.Tensor:
+                     tile: LogitsTile | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """DeepGEMM ``fp8_paged_mqa_logits`` (FP8 path): fp32 [B * next_n, max_model_len] over
     the paged index-K cache (see module doc). ``max_model_len`` must bound every context
-    length (as DeepGEMM requires). ``tile`` overrides the variant's tile (benchmarks)."""
+    length (as DeepGEMM requires). ``tile`` overrides the variant's tile (benchmarks).
+    ``out``: a caller's fp32 [B * next_n, max_model_len] buffer (contiguous rows; served
+    decodes pass a view of vLLM's workspace, vllm.deepinfer.reserve) instead of a new one."""
     check(q.dim() == 4, "q", lambda: f"expected [B, next_n, H, {HEAD_DIM}], got {tuple(q.shape)}")
     batch, next_n = q.shape[0], q.shape[1]
     rows = batch * next_n
@@ -266,16 +300,32 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
                     ("context_lens", context_lens), ("block_table", block_table)),
                    (qb, weights, context_lens, context_lens, kv_cache, kv_cache, block_table,
                     block_table.stride(0), kv_cache.stride(0), block_size, next_n),
-                   paged=True, per_row=per_row, variant=variant, tile=tile, sm_count=sm_count)
+                   paged=True, per_row=per_row, variant=variant, tile=tile, sm_count=sm_count,
+                   out=out)
+
+
+def _output(out, rows: int, width: int, q) -> torch.Tensor:
+    """The [rows, width] fp32 logits: ``out`` checked, or a new tensor. Its rows may be
+    strided (the kernel takes ``out.stride(0)``); each row's columns are contiguous."""
+    if out is None:
+        return torch.empty(rows, width, dtype=torch.float32, device=q.device)
+    check(isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.dim() == 2
+          and tuple(out.shape) == (rows, width) and out.device == q.device
+          and (out.stride(1) == 1 or width <= 1) and (rows <= 1 or out.stride(0) >= width),
+          "out", lambda: f"expected fp32 [{rows}, {width}] on {q.device} with contiguous rows, "
+          f"got {getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}"
+          f" strides {out.stride() if isinstance(out, torch.Tensor) else ()} on "
+          f"{getattr(out, 'device', None)}")
+    return out
 
 
 def _launch(q, rows: int, heads: int, width: int, width_name: str, tensors, args, *,
-            paged: bool, per_row: bool, variant, tile, sm_count) -> torch.Tensor:
+            paged: bool, per_row: bool, variant, tile, sm_count, out=None) -> torch.Tensor:
     """Device checks, the [rows, width] fp32 output, and the launch (both forms)."""
     for name, t in tensors:
         check(t.device == q.device, name, lambda t=t: f"on {t.device}, q on {q.device}")
     check(width >= 0, width_name, lambda: f"{width} < 0")
-    out = torch.empty(rows, width, dtype=torch.float32, device=q.device)
+    out = _output(out, rows, width, q)
     if rows == 0 or width == 0:
         return out
     v = arch.resolve(variant, TILES)
@@ -310,6 +360,8 @@ def compile_constexprs(variant: str, heads: int = shapes.V41.index_heads) -> lis
 
 
 def _register() -> None:
+    # The candidate-block variant (its own module) builds on this kernel's helpers.
+    compile_gate.add_provider("vllm.deepinfer.kernels.indexer_candidate_logits")
     # V4.1/V4 indexers: 64 heads x 128 dims (compile_constexprs' default).
     for v in ("sm80", "sm90"):
         tile = TILES[v]
