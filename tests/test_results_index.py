@@ -267,3 +267,45 @@ def test_jsonl_sweeps_read_their_meta_from_the_first_line(tmp_path):
     r = ri._load(f, f.name)
     assert r.meta["commit"] == "abcdef1" and len(r.rows) == 2 and ri.missing_provenance(r) == []
     assert ri.classify(r) == {("sweep", "x-sweep"): r.rows}
+
+
+# ============================================================================ the split
+def test_the_index_and_its_two_siblings_need_only_the_standard_library():
+    """results_index.py runs under a plain python3 (CI, no venv): it and the two modules it
+    imports (results_headlines.py, results_archive.py) import only the standard library and
+    one another, and the siblings do not import results_index (no circle)."""
+    import ast
+    own = {"results_index", "results_headlines", "results_archive"}
+    for stem in sorted(own):
+        p = REPO / "benchmarks" / f"{stem}.py"
+        mods = set()
+        for n in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(n, ast.Import):
+                mods |= {a.name.split(".")[0] for a in n.names}
+            elif isinstance(n, ast.ImportFrom):
+                mods.add((n.module or "").split(".")[0])
+        foreign = {m for m in mods - own if m not in sys.stdlib_module_names and m != "__future__"}
+        assert not foreign, f"benchmarks/{stem}.py imports {sorted(foreign)}"
+        if stem != "results_index":
+            assert "results_index" not in mods, f"benchmarks/{stem}.py imports results_index"
+
+
+def test_headline_dispatch_by_category():
+    import results_headlines as rh
+    rows = [{"kernel": "topk_swa", "variant": "sm80", "speedup": s, "exact": e}
+            for s, e in ((2.0, True), (4.0, False))]
+    assert ri.headline is rh.headline
+    assert rh.headline("suite", "topk_swa", None, rows) == \
+        "speedup vs upstream, median: sm80 ×3.00 (min ×2.00, 2); bit-exact 1/2"
+    assert rh.headline("other", "mystery", None, rows) == "2 rows"
+
+
+def test_reference_patterns_leave_longer_and_prefixed_names_alone():
+    import results_archive as ra
+    ((name, rx, new),) = ra.reference_patterns([("a-x.json", "archive/a-x.json")], "charts")
+    text = "results/a-x.json `a-x.json` a-x.jsonl b-a-x.json other/a-x.json"
+    assert rx.sub(new, text) == \
+        "results/archive/a-x.json `archive/a-x.json` a-x.jsonl b-a-x.json other/a-x.json"
+    ((_, crx, cnew),) = ra.reference_patterns([("charts/a-x-k.png", "archive/charts/a-x-k.png")],
+                                              "charts")
+    assert crx.sub(cnew, "results/charts/a-x-k.png") == "results/archive/charts/a-x-k.png"
