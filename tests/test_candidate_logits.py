@@ -391,6 +391,57 @@ def test_out_buffer_and_bad_inputs_name_the_tensor(device):
         icl.candidate_paged_mqa_logits(qd, kv, w1, ctx, bt, 8, c1[:, :0], 8)
 
 
+# --------------------------------------------------------------------------- warmup
+@pytest.mark.parametrize("variant", ["sm80", "sm90"])
+def test_launches_are_warmed(variant, monkeypatch):
+    """No compile while serving (as tests/test_warmup_coverage.py for the other kernels):
+    every launch of both kernels over realistic calls (decode batches with and without MTP
+    rows, prefill chunks whose row bounds, queries and candidate rows start at odd rows, SM
+    counts of A100 and H200) has its Triton cache key among the warmup's; V4 (no candidate
+    blocks) warms none."""
+    from launch_keys import describe, key_of, recording
+    from vllm.deepinfer import arch
+    from vllm.deepinfer import warmup as wu
+    from vllm.deepinfer.kernels import shapes as sh
+    cc = {"sm80": 80, "sm90": 90}[variant]
+    v41 = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64,
+                         model="v41", candidate_block_size=8, candidate_topk_blocks=2048)
+    v4 = wu.ModelShapes(window=128, compress_ratios=(1, 4, 128), topk=512, heads=64,
+                        model="v4")
+    assert wu.keys(v4, variant, features=["candidate_logits"]) == []
+    warm: dict = {}
+    for k in wu.keys(v41, variant, features=["candidate_logits"]):
+        kern, _ = wu._kernel_and_signature(k.kernel)
+        args, ce = wu.warmup_args(k)
+        warm.setdefault(kern.fn.__name__, set()).add(
+            key_of(kern, args, dict(ce, **wu.launch_options(k)), cc))
+    monkeypatch.setattr(arch, "interpreting", lambda: False)
+    page, i32 = sh.compressed_page(variant), dict(dtype=torch.int32)
+    cache = torch.zeros(77, page, 132, dtype=torch.uint8)
+    buf = torch.zeros(300, 2048, **i32)  # the model's candidate buffer
+    with recording(cc) as seen:
+        for sms in (108, 132):
+            monkeypatch.setattr(arch, "sm_count", lambda device=None, n=sms: n)
+            for batch, next_n in ((1, 1), (3, 1), (64, 1), (4, 2), (5, 3)):
+                rows = batch * next_n
+                q = torch.zeros(batch, next_n, 64, 128, dtype=torch.uint8)
+                lens = torch.full((batch, next_n) if next_n > 1 else (batch,), 700, **i32)
+                bt = torch.zeros(batch + 2, 41, **i32)[1:]
+                icl.candidate_paged_mqa_logits(q, cache, torch.zeros(rows, 64), lens, bt, 8192,
+                                               buf[:rows], 8, variant=variant)
+            for start, rows, keys in ((0, 1, 100), (3, 7, 3000), (5, 130, 8192)):
+                ks = torch.zeros(start + rows, **i32)
+                icl.candidate_mqa_logits(
+                    torch.zeros(start + rows, 64, 128, dtype=torch.uint8)[start:],
+                    torch.zeros(keys, 128, dtype=torch.uint8), torch.ones(keys),
+                    torch.zeros(start + rows, 64)[start:], ks[start:], ks[start:] + keys, keys,
+                    buf[start:start + rows], 8, variant=variant)
+    assert {k.fn.__name__ for k, _ in seen} == {"_prepare_kernel", "_candidate_logits_kernel"}
+    missing = sorted({describe(kern, key) for kern, key in seen
+                      if key not in warm.get(kern.fn.__name__, ())})
+    assert not missing, "\n".join(missing)
+
+
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["sm80", "sm90"])

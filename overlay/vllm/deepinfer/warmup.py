@@ -264,6 +264,22 @@ def _indexer_logits_keys(shapes: ModelShapes, variant: str, sm_count: int) -> li
             for c in il.compile_constexprs(variant, shapes.index_heads)]
 
 
+def _candidate_logits_keys(shapes: ModelShapes, variant: str,
+                           sm_count: int) -> list[WarmupKey]:
+    """V4.1's candidate-masked index sources (kernels/indexer_candidate_logits.py): the
+    logits kernel in the three layouts of the full one, and its fill/list kernel."""
+    if shapes.candidate_block_size <= 0 or not _indexer_logits_keys(shapes, variant, sm_count):
+        return []  # no candidate blocks (V4, V4.1 configs without them) or no indexer
+    from vllm.deepinfer.kernels import indexer_candidate_logits as icl
+    from vllm.deepinfer.kernels import indexer_logits as il
+    tile = il.TILES[variant]
+    keys = [WarmupKey("candidate_logits", tuple(sorted(c.items())), tile.num_warps,
+                      tile.num_stages, (("kscale_ptr", "u8"),) if c["PAGED"] else ())
+            for c in icl.compile_constexprs(variant, shapes.index_heads)]
+    return keys + [WarmupKey("candidate_prepare", tuple(sorted(c.items())), icl.FILL_WARPS,
+                             None) for c in icl.prepare_constexprs()]
+
+
 def _writer_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     """V4's compressor writers (feature fp8_sw): the attention KV row of each compressed
     ratio and the C4A indexer's K row. Upstream's compressor launches them only for tokens
@@ -312,6 +328,7 @@ _KEYS: dict[str, Callable[[ModelShapes, str, int], list[WarmupKey]]] = {
     "sparse_mla_decode": _decode_keys,
     "sparse_mla_prefill": _prefill_keys,
     "indexer_logits": _indexer_logits_keys,
+    "candidate_logits": _candidate_logits_keys,
     "fp8_sw": _writer_keys,
     "ampere_attn": _inverse_rope_keys,
     "serve_warmup": _serve_warmup_keys,
@@ -345,6 +362,10 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
     "decode_predequant": ("vllm.deepinfer.kernels.sparse_mla_decode", "_predequant_kernel",
                           "_PREDEQUANT_SIG"),
     "indexer_logits": ("vllm.deepinfer.kernels.indexer_logits", "_logits_kernel", "_SIGNATURE"),
+    "candidate_logits": ("vllm.deepinfer.kernels.indexer_candidate_logits",
+                         "_candidate_logits_kernel", "_SIGNATURE"),
+    "candidate_prepare": ("vllm.deepinfer.kernels.indexer_candidate_logits", "_prepare_kernel",
+                          "_PREPARE_SIGNATURE"),
     "prefill": ("vllm.deepinfer.kernels.sparse_mla_prefill", "_sparse_mla_prefill_kernel",
                 "_SIG"),
     "prefill_ws": ("vllm.deepinfer.kernels.sparse_mla_prefill_gluon", "_prefill_ws_kernel",
