@@ -329,3 +329,59 @@ def test_prefill_model_leaves_the_gluon_kernel_out(monkeypatch):
     row = {"kernel": "sparse_mla_prefill", "variant": "sm90", "impl": "gluon_ws",
            "shape": shape, "ours_us": 450.0, "upstream_us": 1900.0}
     assert m.prefill_rows({"rows": [row]}) == []
+
+
+# --------------------------------------------------------------------------- provenance
+def _provenance_missing(meta: dict) -> list[str]:
+    """What benchmarks/results_index.py's --check would say the meta lacks."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import results_index as ri
+    return [k for k in ri.REQUIRED if not (isinstance(meta.get(k), str) and meta[k].strip())]
+
+
+def test_meta_records_gpu_torch_triton_and_commit():
+    import subprocess
+
+    import torch
+    import triton
+    meta = m._meta()
+    assert _provenance_missing(meta) == []
+    assert meta["gpu"] == "model (no GPU ran): A100-SXM4-40GB, A100-SXM4-80GB, H200-SXM"
+    assert meta["torch"] == torch.__version__ and meta["triton"] == triton.__version__
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    assert meta["commit"] == head and head
+    assert set(meta["gpus"]) == set(m.GPUS)          # the tables, whatever was predicted
+    # The diagnostic scripts name only the GPUs they predict.
+    assert m._meta(("a100-40gb",))["gpu"] == "model (no GPU ran): A100-SXM4-40GB"
+    assert set(m._meta(("a100-40gb",))["gpus"]) == set(m.GPUS)
+    with pytest.raises(m.ModelError, match="a100-40"):
+        m._meta(("a100-40",))
+    # The committed files' wording, completed by hand before the writer recorded it.
+    for f in sorted((REPO / "benchmarks" / "results").glob("a100-model-*.json")):
+        assert json.loads(f.read_text())["meta"]["gpu"].startswith("model (no GPU ran): "), f.name
+
+
+def test_meta_without_torch_says_not_imported(monkeypatch):
+    """A process where torch cannot be imported still writes a torch field (not a made-up
+    version)."""
+    monkeypatch.setitem(sys.modules, "torch", None)     # import torch -> ImportError
+    meta = m._meta()
+    assert meta["torch"] == "not imported"
+    assert _provenance_missing(meta) == []
+
+
+def test_written_files_carry_the_provenance(tmp_path, monkeypatch):
+    """What the decode and validate commands write (their model work stubbed out: the
+    writing path is what is under test) carries gpu, torch, triton and commit."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # nothing is compiled here
+    monkeypatch.setattr(m, "decode_predictions", lambda v: [])
+    monkeypatch.setattr(m, "validate", lambda: {"meta": m._meta(), "rows": [], "summary": {}})
+    dec, val = tmp_path / "decode.json", tmp_path / "validation.json"
+    assert m.main(["decode", "--json", str(dec)]) == 0
+    assert m.main(["validate", "--json", str(val)]) == 0
+    for f in (dec, val):
+        meta = json.loads(f.read_text())["meta"]
+        assert _provenance_missing(meta) == [], f.name
+        assert meta["gpu"].startswith("model (no GPU ran): ")
+    assert "ours_us are H200 measurements" in json.loads(dec.read_text())["meta"]["note"]

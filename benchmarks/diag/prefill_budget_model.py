@@ -82,7 +82,8 @@ def main(argv=None) -> int:
                   f"  upstream {r['upstream_predicted_a100_40gb_us']:8.1f}  x{r['predicted_speedup']}",
                   flush=True)
     if args.out:
-        meta = dict(am._meta(), note="model predictions only (tools/a100_model.py, A100-40GB); "
+        meta = dict(am._meta(("a100-40gb",)),
+                    note="model predictions only (tools/a100_model.py, A100-40GB); "
                     "sm_80 builds on the CPU machine; no GPU ran")
         args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
     return 0

@@ -480,7 +480,8 @@ def main(argv=None) -> int:
 def model_meta() -> dict:
     """--model-only: no GPU ran; the file holds sm_80 builds and model predictions."""
     import a100_model as am
-    return {**am._meta(), "note": "--model-only: sm_80 builds and tools/a100_model.py "
+    return {**am._meta(("a100-40gb", "h200")),
+            "note": "--model-only: sm_80 builds and tools/a100_model.py "
             "predictions (A100-40GB and H200); no GPU ran, nothing here is a measurement"}
 
 

@@ -96,14 +96,41 @@ def validate(latency_scales=(0.7, 1.0, 1.3)) -> dict:
     return {"meta": _meta(), "rows": rows, "summary": summary}
 
 
-def _meta() -> dict:
-    import triton
+# meta.gpu of every file the model writes: the GPUs whose times it predicts, after this prefix
+# (the wording of the committed a100-model-*.json files), so that no reader of the file or of
+# benchmarks/results/INDEX.md takes a prediction for a measurement on that GPU.
+MODEL_GPU_PREFIX = "model (no GPU ran): "
+# meta.torch / meta.triton when the package cannot be imported: still a value, so the file
+# says what it knows instead of leaving the provenance field empty.
+NOT_IMPORTED = "not imported"
+
+
+def _version(module: str) -> str:
+    """module.__version__, or NOT_IMPORTED when the module cannot be imported."""
+    try:
+        mod = __import__(module)
+    except ImportError:
+        return NOT_IMPORTED
+    return str(getattr(mod, "__version__", "") or NOT_IMPORTED)
+
+
+def _meta(predicted=None) -> dict:
+    """The provenance of a file the model writes: the tool, the commit, the modelled GPUs
+    (``predicted``: keys of GPUS, default all of them) in ``gpu``, the torch and Triton the
+    process would use, and the GPU tables themselves (all of GPUS, whatever was predicted)."""
+    keys = list(GPUS) if predicted is None else list(predicted)
+    unknown = [k for k in keys if k not in GPUS]
+    if unknown or not keys:
+        raise ModelError(f"_meta(predicted={predicted!r}): not GPUs of the model "
+                         f"(GPUS has {', '.join(GPUS)})")
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                 capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
-    return {"tool": "tools/a100_model.py", "commit": commit, "triton": triton.__version__,
+    return {"tool": "tools/a100_model.py", "commit": commit or "unknown",
+            "gpu": MODEL_GPU_PREFIX + ", ".join(GPUS[k].name for k in keys),
+            "torch": _version("torch"), "triton": _version("triton"),
             "gpus": {k: dataclasses.asdict(g) for k, g in GPUS.items()}}
 
 
