@@ -226,10 +226,12 @@ def _check_q_w(q: torch.Tensor, weights: torch.Tensor, rows: int) -> tuple[int, 
 def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
                cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor, max_seqlen_k: int, *,
                variant: str | None = None, sm_count: int | None = None,
-               tile: LogitsTile | None = None) -> torch.Tensor:
+               tile: LogitsTile | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """DeepGEMM ``fp8_mqa_logits`` (FP8 path): fp32 [M, max_seqlen_k], row ``i`` holding keys
     ``[ks[i], ke[i])`` from column 0 (see module doc). ``max_seqlen_k`` must bound
-    ``ke - ks``; it sizes the output and the grid. ``tile`` overrides the variant's tile."""
+    ``ke - ks``; it sizes the output and the grid. ``tile`` overrides the variant's tile.
+    ``out``: a caller's fp32 [M, max_seqlen_k] buffer (contiguous rows) instead of a new
+    one."""
     check(q.dim() == 3, "q", lambda: f"expected [M, H, {HEAD_DIM}], got {tuple(q.shape)}")
     rows = q.shape[0]
     heads, dim = _check_q_w(q, weights, rows)
@@ -252,16 +254,19 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
                     ("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)),
                    (qb, weights, cu_seqlen_ks, cu_seqlen_ke, kb, k_scale, cu_seqlen_ks, 0, 0, 1,
                     1), paged=False, per_row=False, variant=variant, tile=tile,
-                   sm_count=sm_count)
+                   sm_count=sm_count, out=out)
 
 
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                      context_lens: torch.Tensor, block_table: torch.Tensor, max_model_len: int,
                      *, variant: str | None = None, sm_count: int | None = None,
-                     tile: LogitsTile | None = None) -> torch.Tensor:
+                     tile: LogitsTile | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """DeepGEMM ``fp8_paged_mqa_logits`` (FP8 path): fp32 [B * next_n, max_model_len] over
     the paged index-K cache (see module doc). ``max_model_len`` must bound every context
-    length (as DeepGEMM requires). ``tile`` overrides the variant's tile (benchmarks)."""
+    length (as DeepGEMM requires). ``tile`` overrides the variant's tile (benchmarks).
+    ``out``: a caller's fp32 [B * next_n, max_model_len] buffer (contiguous rows; served
+    decodes pass a view of vLLM's workspace, vllm.deepinfer.reserve) instead of a new one."""
     check(q.dim() == 4, "q", lambda: f"expected [B, next_n, H, {HEAD_DIM}], got {tuple(q.shape)}")
     batch, next_n = q.shape[0], q.shape[1]
     rows = batch * next_n
@@ -295,16 +300,32 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
                     ("context_lens", context_lens), ("block_table", block_table)),
                    (qb, weights, context_lens, context_lens, kv_cache, kv_cache, block_table,
                     block_table.stride(0), kv_cache.stride(0), block_size, next_n),
-                   paged=True, per_row=per_row, variant=variant, tile=tile, sm_count=sm_count)
+                   paged=True, per_row=per_row, variant=variant, tile=tile, sm_count=sm_count,
+                   out=out)
+
+
+def _output(out, rows: int, width: int, q) -> torch.Tensor:
+    """The [rows, width] fp32 logits: ``out`` checked, or a new tensor. Its rows may be
+    strided (the kernel takes ``out.stride(0)``); each row's columns are contiguous."""
+    if out is None:
+        return torch.empty(rows, width, dtype=torch.float32, device=q.device)
+    check(isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.dim() == 2
+          and tuple(out.shape) == (rows, width) and out.device == q.device
+          and (out.stride(1) == 1 or width <= 1) and (rows <= 1 or out.stride(0) >= width),
+          "out", lambda: f"expected fp32 [{rows}, {width}] on {q.device} with contiguous rows, "
+          f"got {getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}"
+          f" strides {out.stride() if isinstance(out, torch.Tensor) else ()} on "
+          f"{getattr(out, 'device', None)}")
+    return out
 
 
 def _launch(q, rows: int, heads: int, width: int, width_name: str, tensors, args, *,
-            paged: bool, per_row: bool, variant, tile, sm_count) -> torch.Tensor:
+            paged: bool, per_row: bool, variant, tile, sm_count, out=None) -> torch.Tensor:
     """Device checks, the [rows, width] fp32 output, and the launch (both forms)."""
     for name, t in tensors:
         check(t.device == q.device, name, lambda t=t: f"on {t.device}, q on {q.device}")
     check(width >= 0, width_name, lambda: f"{width} < 0")
-    out = torch.empty(rows, width, dtype=torch.float32, device=q.device)
+    out = _output(out, rows, width, q)
     if rows == 0 or width == 0:
         return out
     v = arch.resolve(variant, TILES)

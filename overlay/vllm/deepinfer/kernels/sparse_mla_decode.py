@@ -64,7 +64,7 @@ __all__ = ["sparse_attn_decode", "choose_num_splits", "launch_plan", "select_til
            "launch_tiles", "Tile", "TILES", "REDUCE_UNROLL", "GATE_VARIANTS",
            "PREDEQUANT_FEATURE", "PREDEQUANT_MIN_TOKENS", "PREDEQUANT_BLOCK_N",
            "PREDEQUANT_WARPS", "PREDEQUANT_PROGRAMS_PER_SM", "PREDEQUANT_DECODES",
-           "phase2_tile", "uses_gluon"]
+           "phase2_tile", "uses_gluon", "scratch_specs", "scratch_plan"]
 
 FEATURE = "sparse_mla_decode"
 # Softmax runs in the exp2 domain: scores and the sink are multiplied by log2(e) once.
@@ -693,11 +693,64 @@ def launch_plan(tokens: int, heads: int, avg_keys: float, tile: Tile, sm_count: 
     return block_h, num_kv_splits
 
 
+def scratch_specs(tokens: int, heads: int, rows: int, num_splits: int, predequant: bool,
+                  need_out: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The buffers one launch uses besides its inputs, as (name, shape, dtype), in the order
+    a ``workspace`` gets them: the bf16 output [tokens, heads, 512] when the caller gives no
+    ``out``; with ``num_splits`` > 1 the fp32 split partials part_m, part_l [tokens, splits,
+    heads] and part_acc [tokens, splits, heads, 512]; in the two-phase path the bf16 rows
+    ws [rows, 512] and their validity bytes valid [rows] (``rows`` = the index entries of
+    all tokens, main + extra; at least 1)."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    specs = []
+    if need_out:
+        specs.append(("out", (tokens, heads, HEAD_DIM), bf16))
+    if num_splits > 1:
+        specs += [("part_m", (tokens, num_splits, heads), f32),
+                  ("part_l", (tokens, num_splits, heads), f32),
+                  ("part_acc", (tokens, num_splits, heads, HEAD_DIM), f32)]
+    if predequant:
+        r = max(rows, 1)
+        specs += [("ws", (r, HEAD_DIM), bf16), ("valid", (r,), torch.uint8)]
+    return specs
+
+
+def scratch_plan(name: str, tokens: int, heads: int, rows: int, sm_count: int,
+                 num_kv_splits: int | None = None, need_out: bool = True):
+    """(heads per program, split count, ``scratch_specs``) of a launch of ``tokens`` >= 1
+    tokens x ``heads`` >= 1 heads over ``rows`` index entries on the TILES row ``name``
+    (what ``select_tile`` chose): the plan the launcher runs, shared with the profile run's
+    reservation (vllm.deepinfer.reserve)."""
+    tile = TILES[name]
+    block_h, splits = launch_plan(tokens, heads, rows / tokens, tile, sm_count, num_kv_splits)
+    return block_h, splits, scratch_specs(tokens, heads, rows, splits, tile.predequant,
+                                          need_out)
+
+
+def _scratch(specs, workspace, dev) -> dict[str, torch.Tensor]:
+    """The launch's buffers: allocated, or the views ``workspace(shapes)`` returns (one
+    call for all of them, as vLLM's ``get_simultaneous``: they are used at the same time),
+    each checked against its spec."""
+    if not specs:
+        return {}
+    if workspace is None:
+        return {n: torch.empty(s, dtype=d, device=dev) for n, s, d in specs}
+    views = list(workspace([(s, d) for _, s, d in specs]))
+    check(len(views) == len(specs), "workspace",
+          lambda: f"returned {len(views)} buffers for {len(specs)} requests")
+    for (n, s, d), v in zip(specs, views):
+        check_tensor(v, f"workspace[{n}]", dtypes=(d,), ndim=len(s), device=dev,
+                     contiguous=True)
+        check(tuple(v.shape) == s, f"workspace[{n}]",
+              lambda v=v, s=s: f"expected shape {s}, got {tuple(v.shape)}")
+    return {n: v for (n, _, _), v in zip(specs, views)}
+
+
 def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sink,
                        nope_head_dim, rope_head_dim, extra_cache=None, extra_indices=None,
                        extra_indptr=None, out=None, inv_rope_positions=None,
                        inv_rope_cos_sin_cache=None, *, num_kv_splits=None, variant=None,
-                       predequant=None):
+                       predequant=None, workspace=None):
     """Sparse MLA decode over 584-byte records; returns ``out`` [tokens, heads, 512] bf16.
 
     Arguments as upstream's ``_rocm_sparse_attn_decode_ragged_triton``: ``q`` [tokens,
@@ -716,6 +769,12 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     None meaning ``arch.current().name``; "cpu" runs the sm80 code in the interpreter. On
     sm80/sm86/cpu, launches of PREDEQUANT_MIN_TOKENS tokens or more run in two phases
     (``select_tile``); ``predequant`` True/False forces two / one phase there.
+
+    ``workspace``: None allocates the launch's buffers (``scratch_specs``: split partials,
+    two-phase rows, and ``out`` when not given); a callable ``workspace([(shape, dtype),
+    ...])`` returning one view per request (vLLM's ``get_simultaneous``: the served path,
+    vllm.deepinfer.reserve) supplies them instead, ``out`` included, so the result may be
+    a view of that workspace: read it before the workspace's next use.
     """
     name = arch.table_key(variant, TILES)
     check_mla_query(q, nope_head_dim, rope_head_dim, scale)
@@ -758,9 +817,7 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
               lambda: f"expected [positions, {ROPE_DIM}] = cos | sin with a contiguous last "
               f"dim, got shape {tuple(inv_rope_cos_sin_cache.shape)}")
         inv_rope_positions = inv_rope_positions.contiguous()
-    if out is None:
-        out = torch.empty(tokens, heads, HEAD_DIM, dtype=torch.bfloat16, device=dev)
-    else:
+    if out is not None:
         check_tensor(out, "out", dtypes=_BF16, ndim=3, device=dev)
         check(out.shape == q.shape and out.stride(2) == 1, "out",
               lambda: f"expected {tuple(q.shape)} with a contiguous last dim, got shape "
@@ -768,20 +825,25 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     if num_kv_splits is not None:
         check(isinstance(num_kv_splits, int) and num_kv_splits >= 1, "num_kv_splits",
               lambda: f"expected an int >= 1, got {num_kv_splits!r}")
+    check(workspace is None or callable(workspace), "workspace",
+          lambda: f"expected None or a callable, got {type(workspace).__name__}")
     if tokens == 0 or heads == 0:
-        return out
+        return out if out is not None else torch.empty(tokens, heads, HEAD_DIM,
+                                                       dtype=torch.bfloat16, device=dev)
 
-    # Average keys per token from the index sizes: no device sync, as upstream does.
-    avg_keys = (main_indices.numel() + (extra_indices.numel() if has_extra else 0)) / tokens
-    block_h, num_kv_splits = launch_plan(tokens, heads, avg_keys, tile, arch.sm_count(dev),
-                                         num_kv_splits)
+    # Average keys per token from the index sizes (rows / tokens): no device sync, as
+    # upstream does. The two-phase rows: one per index entry of every token.
+    rows = main_indices.numel() + (extra_indices.numel() if has_extra else 0)
+    avg_keys = rows / tokens
+    block_h, num_kv_splits, specs = scratch_plan(name, tokens, heads, rows, arch.sm_count(dev),
+                                                 num_kv_splits, need_out=out is None)
+    bufs = _scratch(specs, workspace, dev)
+    if out is None:
+        out = bufs["out"]
     head_tiles = triton.cdiv(heads, block_h)
     split = num_kv_splits > 1
     if split:
-        part_m = torch.empty(tokens, num_kv_splits, heads, dtype=torch.float32, device=dev)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(tokens, num_kv_splits, heads, HEAD_DIM, dtype=torch.float32,
-                               device=dev)
+        part_m, part_l, part_acc = bufs["part_m"], bufs["part_l"], bufs["part_acc"]
     else:
         part_m = part_l = part_acc = out  # unused: SPLIT=False stores no partials
     sink_arg = attn_sink if has_sink else out
@@ -795,15 +857,13 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
 
     if predequant:
         # One bf16 row and one validity byte per (token, key): rows of token t start at
-        # main_indptr[t] + extra_indptr[t] (both prefix sums), sized from the index lists.
-        # Sized from numel() (no device sync), allocated per call like the split partials:
-        # inside a CUDA-graph capture they come from the graph's private pool and stay
-        # reserved for its replays (the decode suite times the path that way). Cost: rows x
-        # 1 KiB of that pool, freed after the launch for the next layer to reuse; e.g. a
-        # 512-token capture x 640 keys: 320 MiB, x (8192 + 128) keys (V4 C128A, 1M): 4.1 GiB.
-        rows = main_indices.numel() + (extra_indices.numel() if has_extra else 0)
-        ws = torch.empty(max(rows, 1), HEAD_DIM, dtype=torch.bfloat16, device=dev)
-        valid = torch.empty(max(rows, 1), dtype=torch.uint8, device=dev)
+        # main_indptr[t] + extra_indptr[t] (both prefix sums), sized from the index lists
+        # (numel(), no device sync). Cost: rows x (1 KiB + 1 B), e.g. a 512-token batch x
+        # 640 keys 320 MiB, x (8192 + 128) keys (V4 C128A, 1M) 4.1 GiB. Served launches take
+        # them from vLLM's workspace (``workspace``), grown to the worst case in the profile
+        # run (vllm.deepinfer.reserve); without one they are allocated per call (inside a
+        # CUDA-graph capture, from the graph's private pool).
+        ws, valid = bufs["ws"], bufs["valid"]
         per_token = max(1, min(triton.cdiv(max(1, int(avg_keys)), tile.block_n),
                                triton.cdiv(PREDEQUANT_PROGRAMS_PER_SM * arch.sm_count(dev),
                                            tokens)))
