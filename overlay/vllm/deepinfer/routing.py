@@ -131,11 +131,15 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
         return None
     if main_cache.shape[-1] != RECORD_BYTES or not use("sparse_mla_decode"):
         return None
+    from vllm.deepinfer import reserve
     from vllm.deepinfer.kernels.sparse_mla_decode import sparse_attn_decode as ours
+    # Split partials, two-phase rows and the output: views of vLLM's workspace, which the
+    # profile run grew to the decode's worst case (vllm.deepinfer.reserve).
     return ours(q, main_cache, main_indices, main_indptr, scale, attn_sink, nope_head_dim,
                 rope_head_dim, extra_cache=extra_cache, extra_indices=extra_indices,
                 extra_indptr=extra_indptr, out=out, inv_rope_positions=inv_rope_positions,
-                inv_rope_cos_sin_cache=inv_rope_cos_sin_cache)
+                inv_rope_cos_sin_cache=inv_rope_cos_sin_cache,
+                workspace=reserve.decode_workspace())
 
 
 def sparse_attn_prefill(q, kv, indices, topk_length, scale, head_dim: int, nope_head_dim: int,
@@ -190,8 +194,14 @@ def paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables, max_model
         return None
     if not use("indexer_logits"):
         return None
+    from vllm.deepinfer import reserve
     from vllm.deepinfer.kernels.indexer_logits import paged_mqa_logits as ours
-    return ours(q[0], kv_cache, weights, context_lens, block_tables, max_model_len)
+    # The [B * next_n, max_model_len] fp32 logits: a view of vLLM's workspace, reserved at
+    # the worst case in the profile run (vllm.deepinfer.reserve).
+    out = reserve.indexer_decode_logits(q[0].shape[0] * q[0].shape[1], max_model_len,
+                                        q[0].device) if q[0].dim() == 4 else None
+    return ours(q[0], kv_cache, weights, context_lens, block_tables, max_model_len, out=out)
+
 
 # V4.1's index sources after the candidate source (patch 0041): upstream computes every logit,
 # then masks all but the candidate blocks to -inf. With ``candidate_logits`` on, and only
@@ -231,10 +241,13 @@ def candidate_paged_mqa_logits(q, kv_cache, weights, context_lens, block_tables,
         return None
     if not _fp8_q(q) or weights.dtype != torch.float32 or not use("indexer_logits"):
         return None
+    from vllm.deepinfer import reserve
     from vllm.deepinfer.kernels.indexer_candidate_logits import (
         candidate_paged_mqa_logits as ours)
+    # The same reserved workspace view as paged_mqa_logits' (vllm.deepinfer.reserve).
+    out = reserve.indexer_decode_logits(rows, max_model_len, q[0].device)
     return ours(q[0], kv_cache, weights, context_lens, block_tables, max_model_len,
-                candidates[:rows], block_size)
+                candidates[:rows], block_size, out=out)
 
 
 def pack_fp8_as_bytes(x: torch.Tensor) -> bool:

@@ -130,6 +130,17 @@ class DeepinferAmpereV4Attention(AmpereAttentionMixin, DeepseekV4Attention):
         return swa_metadata.get_prefill_chunk_plan(
             compress_ratio=self.compress_ratio, prefill_chunk_size=self.PREFILL_CHUNK_SIZE)
 
+    def _topk_width(self) -> int:
+        """Top-k columns of a compressed layer's decode and prefill rows (reservations):
+        C4A the indexer's; C128A at most every compressed position of max_model_len, in
+        the metadata builder's alignment (its c128a_max_compressed)."""
+        if self.compress_ratio == 128:
+            from vllm.models.deepseek_v4.sparse_mla import _C128A_TOPK_ALIGNMENT as align
+            positions = -(-self.max_model_len // self.compress_ratio)
+            return -(-positions // align) * align
+        assert self.topk_indices_buffer is not None
+        return self.topk_indices_buffer.shape[-1]
+
     # ---- cross-layer reuse (vllm.deepinfer.yoco) --------------------------------------
     # V4 shares no KV cache and each C4A layer indexes itself: only what the SWA-only layers
     # and the C128A layers reading one metadata object (top-k from the metadata builder)

@@ -171,6 +171,11 @@ class DeepinferAmpereV41Attention(AmpereAttentionMixin, DeepseekV4Attention):
             compress_ratio=self.compress_ratio, prefill_chunk_size=self.PREFILL_CHUNK_SIZE,
             has_compressed=not swa_only)
 
+    def _topk_width(self) -> int:
+        """Top-k columns of a compressed layer's decode and prefill rows (reservations)."""
+        assert self.topk_indices_buffer is not None
+        return self.topk_indices_buffer.shape[-1]
+
     # ---- cross-layer reuse (vllm.deepinfer.yoco) --------------------------------------
     def _yoco_index_source(self, comp_metadata, swa_only: bool):
         """Layers after an index source read the top-k it wrote into the shared buffer."""

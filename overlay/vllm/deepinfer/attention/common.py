@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm.deepinfer import arch, routing, sorted_topk, yoco
+from vllm.deepinfer import arch, reserve, routing, sorted_topk, yoco
 from vllm.deepinfer.kernels.inverse_rope import inverse_rope_rows_
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp
@@ -227,6 +227,9 @@ class AmpereAttentionMixin:
             raise not_implemented("the 528-byte V4.1 MXFP8 record (SM100 only)")
         install_wo_a_bf16_cache(self)
         self._ampere_variant = self._resolve_variant()
+        from vllm.config import get_current_vllm_config
+        # The engine limits the profile run's reservations are sized from.
+        self._reserve_limits = reserve.Limits.from_vllm_config(get_current_vllm_config())
 
     @staticmethod
     def _resolve_variant() -> str | None:
@@ -266,6 +269,7 @@ class AmpereAttentionMixin:
             if not self._swa_only() and self._yoco_kv_source() is not None:
                 (dims, _), = shapes
                 yoco.reserve_gather_buffer(dims[0] * dims[1] * dims[2] * 2, q.device)
+            self._reserve_serving_buffers(q)
             output.zero_()
             return
         if not isinstance(attn_metadata, dict):
@@ -294,6 +298,55 @@ class AmpereAttentionMixin:
             inverse_rope_rows_(output[rotated:, : self.n_local_heads, :],
                                positions[rotated: output.shape[0]],
                                self.rotary_emb.cos_sin_cache, self.rope_head_dim)
+
+    # ---- reservations made in the profile run (vllm.deepinfer.reserve) ---------------
+    def _reserve_serving_buffers(self, q: torch.Tensor) -> None:
+        """Profile run: the worst case of every buffer that grows with the context, the
+        batch or a CUDA graph while serving — the decode's scratch and the indexer's decode
+        logits in vLLM's workspace, the prefill combined lists in persistent buffers — so
+        that vLLM sizes the KV cache around them."""
+        limits = self._reserve_limits
+        if routing.use("sparse_mla_decode") and self._ampere_variant is not None:
+            reserve.reserve_decode_scratch(limits, self._ampere_variant, q.shape[1],
+                                           self._decode_keys_per_token(), q.device)
+        op = getattr(getattr(self, "indexer", None), "indexer_op", None)
+        if op is not None and routing.use("indexer_logits"):
+            reserve.reserve_indexer_logits(limits, op.max_model_len, q.device)
+        for kind in self._combine_kinds():
+            reserve.reserve_combined_lists(kind, self._combine_slab_width(),
+                                           limits.prefill_tokens, q.device)
+
+    def _decode_keys_per_token(self) -> int:
+        """K of vllm.deepinfer.reserve: the dense index width a decode token's ragged lists
+        are built from (T * K entries for T tokens): the SWA rows (DSpark's wider
+        non-causal rows when it speculates) plus, in compressed layers, the top-k width."""
+        width = self.window_size
+        limits = self._reserve_limits
+        if limits.dspark:
+            from vllm.v1.attention.backends.mla.compressor_utils import (
+                get_dspark_swa_index_width)
+            width = max(width, get_dspark_swa_index_width(width, limits.num_speculative_tokens))
+        return width + (0 if self._swa_only() else self._topk_width())
+
+    def _combine_width(self, top_k: int) -> int:
+        """A combined row's width for ``top_k`` top-k columns (upstream's: V4 widens it by
+        max_image_tokens)."""
+        from vllm.deepinfer.kernels.topk_swa import combined_width
+        return combined_width(top_k + getattr(self, "max_image_tokens", 0), self.window_size)
+
+    def _combine_slab_width(self) -> int:
+        return self._combine_width(0 if self._swa_only() else self._topk_width())
+
+    def _combine_kinds(self) -> set[str]:
+        """The combined-list buffers this layer's prefill can use: "shared" where
+        cross-layer reuse keeps its lists, "own" where they serve this layer alone (a
+        layer that shares with nobody, reuse off, V4's image batches)."""
+        swa_only = self._swa_only()
+        shared = yoco.enabled() and self._yoco_index_source(None, swa_only) is not yoco.NO_REUSE
+        kinds = {"shared" if shared else "own"}
+        if getattr(self, "max_image_tokens", 0):
+            kinds.add("own")  # image visibility is never shared (_yoco_extra)
+        return kinds
 
     def _prefill_workspace_shapes(self, q: torch.Tensor):
         n = 0 if self._swa_only() else -(-self.max_model_len // self.compress_ratio)
@@ -383,13 +436,17 @@ class AmpereAttentionMixin:
             qs = int(qsl_cpu[nd + c0] - base)
             qe = int(qsl_cpu[nd + c1] - base)
             extra = self._combine_extra_args(swa_metadata, nd_tok, qs, qe)
-            indices, lens = yoco.reuse(
-                fc, yoco.combine_key(
-                    self._yoco_index_source(comp_metadata, swa_only), self.compress_ratio,
-                    self.window_size, top_k, swa_metadata, chunk, self._yoco_extra(extra)),
-                lambda: combine(topk_indices[qs:qe], qsl[nd + c0: nd + c1 + 1],
-                                seq_lens[c0:c1], gather_lens[c0:c1], self.window_size,
-                                self.compress_ratio, top_k, chunk_m, chunk_n, **extra))
+            ckey = yoco.combine_key(
+                self._yoco_index_source(comp_metadata, swa_only), self.compress_ratio,
+                self.window_size, top_k, swa_metadata, chunk, self._yoco_extra(extra))
+            # The lists go to rows [qs, qe) of the buffer the profile run reserved for their
+            # kind (vllm.deepinfer.reserve); None: the combiner allocates them.
+            indices, lens = yoco.reuse(fc, ckey, lambda: combine(
+                topk_indices[qs:qe], qsl[nd + c0: nd + c1 + 1], seq_lens[c0:c1],
+                gather_lens[c0:c1], self.window_size, self.compress_ratio, top_k, chunk_m,
+                chunk_n, out=reserve.combined_lists_out(
+                    fc, ckey, yoco.step_cache(fc) is not None, self._combine_slab_width(), qs,
+                    qe, self._combine_width(top_k), q.device), **extra))
             rocm_sparse_attn_prefill(
                 q=q[qs:qe], kv=kv.view(-1, 1, q.shape[-1]), indices=indices,
                 topk_length=lens, scale=self.scale, head_dim=self.head_dim,
