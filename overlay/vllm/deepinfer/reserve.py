@@ -45,10 +45,15 @@ with a(x) = round_up(x, 256) (vLLM aligns each view of one ``get_simultaneous`` 
 
 The workspace is shared with the prefill gather ([4, M, 512] bf16), upstream's indexer and
 others: its size is the largest of all these requests, not their sum; the combined-list
-buffers are additional. After vLLM locks its workspace, a request larger than what was
-reserved raises ``ReservationError`` naming the buffer, instead of allocating; before that
-(tests, harnesses without a profile run) a missing reservation means the kernels allocate
-as they always did.
+buffers are additional. After vLLM locks its workspace (the end of ``capture_model``), a
+request larger than what was reserved raises ``ReservationError`` naming the buffer, instead
+of allocating; before that (tests, harnesses without a profile run) a missing reservation
+means the kernels allocate as they always did. With ``enforce_eager`` (cudagraph mode NONE)
+vLLM 0.33.0 never locks its workspace: a request past it would then grow it, as upstream's
+own requests do; the reservations above are worst cases, so none should.
+
+Every reservation call is idempotent: later dummy runs without attention metadata (CUDA-graph
+warm-up, data-parallel padding) make the same requests, which fit.
 """
 from __future__ import annotations
 
