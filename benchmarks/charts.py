@@ -41,6 +41,10 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
     tput = [r for r in rows if r["kernel"] == "e2e" and r.get("tokens_per_s") is not None]
     if tput:
         written.append(chart_e2e(tput, meta, out_dir / f"{path.stem}-throughput.png"))
+    long_rows = [r for r in rows if r["kernel"] == "long_context"]
+    if long_rows:
+        written.append(chart_long(long_rows, [r for r in rows if r["kernel"] == "long_context_stage"],
+                                  meta, out_dir / f"{path.stem}-long-context.png"))
     if "yoco" in by_kernel:
         written.append(chart_yoco(by_kernel.pop("yoco"), meta, out_dir / f"{path.stem}-yoco.png"))
     for kernel, rs in by_kernel.items():
@@ -97,6 +101,68 @@ def chart_e2e(rs: list[dict], meta: dict, out: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(f"vLLM serving throughput, {rs[0]['shape']['model']} — {meta['gpu']} "
                  f"(a100 = A100-faithful kernel choice run on this GPU, not an A100)", fontsize=9)
+    return _save(fig, out)
+
+
+def long_series(rs: list[dict], stage_rows: list[dict]) -> dict:
+    """The long-context chart's data (rows kernel="long_context" / "long_context_stage"):
+    per line key (model, variant, cuda_graphs[, batch]) the (prompt_len, value) points sorted
+    by length: "ttft" (batch 1, s), "prefill" and "decode" (tokens/s per batch), "peak" (GiB
+    allocated, per batch); "stages": per (model, variant, cuda_graphs, prompt_len) the seconds
+    of each stage. Failed requests (no value) are left out."""
+    out: dict = {"ttft": {}, "prefill": {}, "decode": {}, "peak": {}, "stages": {}}
+    for r in rs:
+        s = r["shape"]
+        key = (s["model"], r["variant"], s.get("cuda_graphs", False))
+        n = s["prompt_len"]
+        if r.get("tokens_per_s") is not None:
+            out[s["phase"]].setdefault(key + (s["batch"],), []).append((n, r["tokens_per_s"]))
+        if s["phase"] == "prefill":
+            if s["batch"] == 1 and r.get("ttft_s") is not None:
+                out["ttft"].setdefault(key, []).append((n, r["ttft_s"]))
+            if r.get("peak_gib") is not None:
+                out["peak"].setdefault(key + (s["batch"],), []).append((n, r["peak_gib"]))
+    for r in stage_rows:
+        s = r["shape"]
+        if r.get("seconds") is not None:
+            k = (s["model"], r["variant"], s.get("cuda_graphs", False), s["prompt_len"])
+            out["stages"].setdefault(k, {})[s["stage"]] = r["seconds"]
+    for what in ("ttft", "prefill", "decode", "peak"):
+        for pts in out[what].values():
+            pts.sort()
+    return out
+
+
+def chart_long(rs: list[dict], stage_rows: list[dict], meta: dict, out: Path) -> Path:
+    """Long-context serving per model and mode: TTFT, decode tokens/s at that context and peak
+    memory against the prompt length (batch 4 dashed), and the profiled prefill by stage."""
+    import matplotlib.pyplot as plt
+    d = long_series(rs, stage_rows)
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
+    lab = lambda k: f"{k[0]} {k[1]}{' graphs' if k[2] else ''}"  # noqa: E731
+    for ax, what, ylabel in ((axes[0], "ttft", "TTFT s (batch 1, lower is better)"),
+                             (axes[1], "decode", "decode tokens/s at that context"),
+                             (axes[2], "peak", "peak GiB allocated (KV cache included)")):
+        for k, pts in d[what].items():
+            style = "--" if len(k) > 3 and k[3] != 1 else "-"
+            name = lab(k) + (f" b{k[3]}" if len(k) > 3 else "")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+    ax = axes[3]
+    keys = list(d["stages"])
+    names = list(dict.fromkeys(st for v in d["stages"].values() for st in v))
+    bottom = [0.0] * len(keys)
+    for st in names:
+        vals = [d["stages"][k].get(st, 0.0) for k in keys]
+        ax.bar(range(len(keys)), vals, bottom=bottom, label=st)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    _x_labels(ax, [f"{lab(k)} L{k[3]}" for k in keys], "s of the prefill (kernel time per stage)")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"Long-context serving — {meta.get('gpu')} (a100 = A100-faithful kernel choice "
+                 "run on this GPU, not an A100)", fontsize=9)
     return _save(fig, out)
 
 

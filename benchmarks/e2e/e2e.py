@@ -23,14 +23,25 @@
            GPU in fp32 with TF32 off), plain and with the KV rows rounded as the fp8 record
            does; rows kernel="e2e_vs_fp32_reference" per run and kernel="e2e_reference_check"
            per model: the a100 mode no further from the reference than upstream's path.
-Writes benchmarks/results/<gpu>-<date>-e2e.json (rows: e2e, e2e_agreement, sm80_audit) and a
-chart. Engines of the agreement steps run side by side on the GPU (--parallel), the
-throughput ones alone.
+8. long    real-geometry long-context configs (configs/v41-long, configs/v4-long), one engine
+           per (model, mode, form) alone on the GPU serving every length of --long-lens in one
+           start (run.py --task long, shortest first): TTFT, prefill and decode tokens/s at
+           that context (batch 1; batch 4 at --long-b4-lens), peak memory, vLLM's KV
+           capacity (rows kernel="long_context"), the longest prefill split by stage
+           (kernel="long_context_stage"), the last 2,048 positions of a 128K prompt per mode
+           (kernel="e2e_agreement"). Partial outputs of stopped engines are reported.
+9. long_reference  the fp32 reference of that 128K prompt (reference.py on this GPU); rows
+           kernel="e2e_vs_fp32_reference" and "e2e_reference_check" for the long models.
+Writes benchmarks/results/<gpu>-<date>-e2e-<commit>.json (rows: e2e, e2e_agreement,
+sm80_audit, ...; -e2e-long- when only the long steps ran); benchmarks/charts.py draws them.
+Engines of the agreement steps run side by side on the GPU (--parallel), the throughput and
+long-context ones alone.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -49,10 +60,32 @@ MODELS = {
     "v41-mini": ("v41-mini", "mxfp8"),
     "v4-mini": ("v4-mini", "fp8"),
     "v41-tput": ("v41-tput", "mxfp8"),
+    "v41-long": ("v41-long", "mxfp8"),
+    "v4-long": ("v4-long", "fp8"),
 }
 AGREE_MODELS = ("v41-mini", "v4-mini")
 TPUT_MODEL = "v41-tput"
 MODES = ("a100", "sm90", "upstream")
+# --steps long (step_long below): real-geometry long-context configs, served one engine per
+# (model, mode, form) with every prompt length in one start.
+LONG_MODELS = ("v41-long", "v4-long")
+LONG_MODES = ("a100", "upstream")
+LONG_FORMS = ("eager", "graphs")   # graphs: vLLM's default torch.compile + CUDA graphs
+# 1,048,000 rather than 1,048,576: the prompt plus the decode window of a batch of 4 (up to
+# 580 tokens at a chunk of 8,192, run.py long_max_tokens) stays within 1,048,576 + 1,024.
+LONG_LENS = (131072, 524288, 1048000)
+LONG_AGREE_LEN = 131072             # agreement (and the fp32 reference) at 128K
+# gpu_memory_utilization of a long engine: the bdbe637 runs served 1M prompts with 0.80; the
+# 20% outside it holds the prefill chunk's activations and the agreement request's prompt
+# logprobs (an 8,192 x 129,280 fp32 block per chunk).
+LONG_GPU_MEM = 0.80
+LONG_DECODE = 64                    # decode tokens timed per request
+LONG_QUICK_DECODE = 32              # --quick
+# Seconds a long engine may spend before its timed requests (load, profile run, KV
+# allocation, CUDA-graph capture, the warm-up): v41-tput's graph engines started in 149-342 s
+# (results e2e-4ab26c8, e2e-5f462a5, e2e-tput-5ddee71), the mini models' engines with vLLM's
+# JIT warmup in 11-116 s; about twice the slowest of each.
+LONG_START_S = {"eager": 300, "graphs": 720}
 # --steps yoco: reuse on against off, and the run-to-run floor (a second a100 run), all with
 # the indexer's top-k rows sorted (run.py's *_det modes): without that, two runs of one
 # engine already differ (docs/yoco.md). Pairs of the unsorted modes from earlier runs in the
@@ -130,7 +163,11 @@ def make_checkpoints(work: Path, names, dense: bool) -> None:
         out = work / f"{name}-{fmt}"
         if (out / "config.json").exists():
             continue
-        extra = dense_routing(HERE / "configs" / cfg) if dense and name in AGREE_MODELS else []
+        # The long models serve an agreement prompt too; with every expert selected their MoE
+        # also does 8 x 512 intermediate columns per token, nearer the released V4.1's 7 x 2048
+        # than top-2 of 8.
+        extra = (dense_routing(HERE / "configs" / cfg)
+                 if dense and name in AGREE_MODELS + LONG_MODELS else [])
         sh([sys.executable, str(REPO / "tools" / "make_checkpoint.py"),
             str(HERE / "configs" / cfg), "--format", fmt, "--out", str(out), *extra],
            work / f"ckpt-{name}.log")
@@ -212,6 +249,266 @@ def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=())
     return out if rc == 0 and out.exists() else None
 
 
+# --------------------------------------------------------------------------- step long
+@functools.lru_cache(maxsize=None)
+def _run_module():
+    """benchmarks/e2e/run.py by path (a bare `import run` can find benchmarks/run.py): its
+    long_plan and timeouts plan the long step's engines."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("e2e_run_long", HERE / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _csv(text: str, known, what: str, ap, conv=str) -> list:
+    vals = [conv(v) for v in text.split(",") if v.strip()]
+    if known is not None:
+        bad = sorted(set(map(str, vals)) - set(map(str, known)))
+        if bad:
+            ap.error(f"--{what}: unknown {', '.join(bad)}; known: {', '.join(map(str, known))}")
+    return vals
+
+
+def long_options(args, ap) -> dict:
+    """The long step's selection from the flags: models, modes, forms, prompt lengths, the
+    lengths served as a batch of 4, the agreement length, the profiled length, decode tokens.
+    --quick: the batch of 4 at the shortest length only and LONG_QUICK_DECODE decode tokens."""
+    lens = sorted(_csv(args.long_lens, None, "long-lens", ap, int))
+    if not lens or min(lens) <= 0:
+        ap.error("--long-lens: give positive prompt lengths, comma-separated")
+    if args.long_b4_lens is None:
+        b4 = lens[:1] if args.quick else lens
+    else:
+        b4 = _csv(args.long_b4_lens, lens, "long-b4-lens", ap, int)
+    profile = max(lens) if args.long_profile_len is None else args.long_profile_len
+    if profile and profile not in lens:
+        ap.error(f"--long-profile-len {profile} is not one of --long-lens")
+    return dict(models=_csv(args.long_models, LONG_MODELS, "long-models", ap),
+                modes=_csv(args.long_modes, MODES, "long-modes", ap),
+                forms=_csv(args.long_forms, LONG_FORMS, "long-forms", ap),
+                lens=lens, b4_lens=sorted(b4), agree_len=args.long_agree_len,
+                profile_len=profile,
+                decode_tokens=LONG_QUICK_DECODE if args.quick else LONG_DECODE,
+                request_timeout=args.long_request_timeout)
+
+
+def long_jobs(opts: dict) -> list[tuple[str, str, str]]:
+    """(model, mode, form) of every long-context engine, in priority order (a --deadline
+    drops the tail): eager before CUDA graphs (a graph engine first spends minutes compiling),
+    then model, then mode, in the order given."""
+    return [(n, m, f) for f in opts["forms"] for n in opts["models"] for m in opts["modes"]]
+
+
+def _long_out(work: Path, name: str, mode: str, form: str) -> Path:
+    return work / f"{name}-{mode}-long-{form}.json"
+
+
+def _long_tag(stem: str):
+    """(model, mode, form) of a long output's file stem, None for other files."""
+    parts = stem.rsplit("-", 3)
+    if len(parts) == 4 and parts[2] == "long" and parts[0] in MODELS and parts[3] in LONG_FORMS:
+        return parts[0], parts[1], parts[3]
+    return None
+
+
+def long_command(work: Path, name: str, mode: str, form: str, opts: dict) -> list[str]:
+    cfg, fmt = MODELS[name]
+    cmd = [sys.executable, str(HERE / "run.py"), "--model", str(work / f"{name}-{fmt}"),
+           "--mode", mode, "--task", "long", "--out", str(_long_out(work, name, mode, form)),
+           "--long-lens", *map(str, opts["lens"]), "--b4-lens", *map(str, opts["b4_lens"]),
+           "--agree-len", str(opts["agree_len"]), "--profile-len", str(opts["profile_len"]),
+           "--decode-tokens", str(opts["decode_tokens"]), "--gpu-mem", str(LONG_GPU_MEM)]
+    if opts["request_timeout"]:
+        cmd += ["--request-timeout", str(opts["request_timeout"])]
+    if form == "eager":
+        cmd.append("--eager")
+    return cmd
+
+
+def long_run_timeout(form: str, opts: dict) -> float:
+    """The process limit of one long engine: start-up, warm-up, and every planned request's
+    own limit (run.py request_timeout)."""
+    run = _run_module()
+    plan = run.long_plan(opts["lens"], opts["b4_lens"], opts["agree_len"],
+                         opts["decode_tokens"], run.LONG_CHUNK)
+    return LONG_START_S[form] + sum(
+        run.request_timeout(r["prompt_len"] * r["batch"], opts["request_timeout"])
+        for r in plan)
+
+
+def run_long(work: Path, name: str, mode: str, form: str, opts: dict) -> tuple[int, Path]:
+    """One long-context engine (run.py --task long). Its output is read whatever the exit
+    status: run.py rewrites it after every request, so a run stopped by its limit or the
+    deadline (rc 124) still leaves the requests it finished."""
+    out = _long_out(work, name, mode, form)
+    rc = sh(long_command(work, name, mode, form, opts), work / f"{out.stem}.log",
+            timeout=long_run_timeout(form, opts))
+    return rc, out
+
+
+def step_long(work: Path, opts: dict, rerun: bool = False) -> list[str]:
+    """--steps long: the engines of long_jobs one after another, each alone on the GPU (its
+    timings are its own). An engine whose output exists is not served again unless ``rerun``.
+    Returns the engines that did not finish, each with what of it is on disk."""
+    not_done = []
+    for name, mode, form in long_jobs(opts):
+        tag = f"{name}/{mode}/long-{form}"
+        out = _long_out(work, name, mode, form)
+        have = _load(out) if out.exists() else None
+        if have is not None and not rerun:
+            if not have.get("complete"):
+                not_done.append(f"{tag} (partial output kept: {_long_progress(have)}; "
+                                "--long-rerun serves it again)")
+            continue
+        rc, out = run_long(work, name, mode, form, opts)
+        r = _load(out) if out.exists() else None
+        if rc != 0 or r is None or not r.get("complete"):
+            not_done.append(f"{tag} (rc {rc}; {_long_progress(r)})")
+    return not_done
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _long_progress(r) -> str:
+    if not r:
+        return "no output"
+    planned = [q for q in r.get("plan", []) if q["kind"] == "timed"]
+    return f"{len(r.get('rows', []))} of {len(planned)} timed requests on disk"
+
+
+def _load(p: Path):
+    try:
+        return json.load(open(p))
+    except (OSError, ValueError):
+        return None
+
+
+def long_runs(work: Path) -> dict:
+    """Every long output in the work folder, earlier invocations' too: (model, mode, form) ->
+    run.py's result (partial ones included, "complete": false)."""
+    out = {}
+    for f in sorted(work.glob("*-long-*.json")):
+        tag = _long_tag(f.stem)
+        r = _load(f) if tag else None
+        if r is not None:
+            out[tag] = r
+    return out
+
+
+def long_rows(runs: dict) -> list[dict]:
+    """Rows kernel="long_context" (per request: a prefill row, TTFT and prefill tokens/s, and a
+    decode row, decode tokens/s at that context on engine steps) and kernel="long_context_stage"
+    (the profiled prefill, one row per stage and one for the GPU's idle time)."""
+    rows = []
+    for (name, mode, form), r in runs.items():
+        kv = r.get("kv") or {}
+        common = dict(variant=mode, kv_tokens=kv.get("kv_tokens"),
+                      kv_available_gib=kv.get("available_gib"),
+                      kv_num_gpu_blocks=kv.get("num_gpu_blocks"),
+                      kv_block_size=kv.get("block_size"),
+                      kv_max_concurrency=kv.get("kv_max_concurrency"),
+                      max_model_len=r.get("max_model_len"), chunk=r.get("chunk"),
+                      load_seconds=r.get("load_seconds"), run_complete=r.get("complete", False))
+        for q in r.get("rows", []):
+            shape = lambda phase: dict(model=name, prompt_len=q["prompt_len"],  # noqa: E731
+                                       batch=q["batch"], phase=phase,
+                                       cuda_graphs=form == "graphs")
+            mem = dict(peak_gib=q.get("peak_allocated_gib"),
+                       peak_reserved_gib=q.get("peak_reserved_gib"),
+                       device_used_gib=q.get("device_used_gib"))
+            rows.append(dict(kernel="long_context", shape=shape("prefill"), **common,
+                             ttft_s=q.get("ttft_s"), ttft_last_s=q.get("ttft_last_s"),
+                             tokens_per_s=q.get("prefill_tokens_per_s"),
+                             tokens=q.get("prompt_tokens"), **mem,
+                             profiled=q.get("profiled", False), error=q.get("error"),
+                             timing="wall clock from arrival to first token; tokens/s: all "
+                                    "prompt tokens over the batch's last TTFT"))
+            rows.append(dict(kernel="long_context", shape=shape("decode"), **common,
+                             ttft_s=q.get("ttft_s"), tokens_per_s=q.get("decode_tokens_per_s"),
+                             tokens=q.get("decode_tokens"), seconds=q.get("decode_seconds"),
+                             **mem, error=q.get("error"),
+                             timing="engine steps after the last prefill"))
+        st = r.get("stages")
+        if st:
+            base = dict(model=name, prompt_len=st["prompt_len"], batch=st["batch"],
+                        phase="prefill", cuda_graphs=form == "graphs")
+            tot = st.get("kernel_s") or 0.0
+            sc = dict(variant=mode, wall_s=st.get("wall_s"), kernel_s=tot,
+                      busy_s=st.get("busy_s"), kernels=st.get("kernels"),
+                      parse_s=st.get("parse_s"), complete=st.get("complete"))
+            for stage in _run_module().STAGES:
+                sec = st["stages"].get(stage, 0.0)
+                rows.append(dict(kernel="long_context_stage", shape=dict(base, stage=stage),
+                                 seconds=sec, share=sec / tot if tot else None, **sc,
+                                 top_kernels=[k for k in st.get("top_kernels", [])
+                                              if k[1] == stage],
+                                 what="CUDA kernel seconds (summed over streams)"))
+            idle = st.get("idle_s")
+            rows.append(dict(kernel="long_context_stage", shape=dict(base, stage="gpu_idle"),
+                             seconds=idle, share=(idle / st["wall_s"]) if idle is not None
+                             and st.get("wall_s") else None, **sc,
+                             what="wall time with no kernel running (host gaps)"))
+    return rows
+
+
+def _last_positions(ref: dict, n: int, first: int, count: int):
+    """The reference's prompt rows of the length-``n`` prompt for positions ``first`` ..
+    ``first + count - 1`` (its rows start at position 1), as one agree-layout prompt."""
+    for p in ref.get("prompts", []):
+        if p["prompt_len"] == n:
+            rows = p["prompt"][first - 1:first - 1 + count]
+            if len(rows) == count:
+                return dict(prompt_len=n, prompt=rows, generated=[])
+    return None
+
+
+def long_agreement_rows(work: Path, runs: dict) -> list[dict]:
+    """The long engines' agreement prompts (the last positions of one prompt of
+    --long-agree-len tokens): each pair of modes (kernel="e2e_agreement"), each run against the
+    fp32 reference when --steps long_reference wrote one (kernel="e2e_vs_fp32_reference"), and
+    per model the project's rule (kernel="e2e_reference_check", reference_check)."""
+    rows = []
+    for name in LONG_MODELS:
+        got = {(m, f): r["agree"] for (n, m, f), r in runs.items() if n == name and r.get("agree")}
+        if not got:
+            continue
+        a0 = next(iter(got.values()))["prompts"][0]
+        n, first, count = a0["prompt_len"], a0["first_position"], len(a0["prompt"])
+        pos = dict(prompt_lens=[n], positions=[first, n - 1])
+        for form in LONG_FORMS:
+            for a, b in (("a100", "upstream"), ("sm90", "upstream"), ("a100", "sm90")):
+                if (a, form) in got and (b, form) in got:
+                    p = compare.pair(got[(a, form)], got[(b, form)])
+                    rows.append(dict(kernel="e2e_agreement", variant=f"{a}_vs_{b}",
+                                     shape=dict(model=name, cuda_graphs=form == "graphs", **pos),
+                                     top1_agree=p["top1_agree"],
+                                     max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
+        ref = _load(_ref_out(work, name, False))
+        want = _last_positions(ref, n, first, count) if ref else None
+        if want is None:
+            continue
+        ref_run = dict(ref, prompts=[want])
+        dist = {}
+        for (mode, form), a in got.items():
+            ap = a["prompts"][0]
+            if (ap["prompt_len"], ap["first_position"], len(ap["prompt"])) != (n, first, count):
+                continue
+            p = compare.pair(a, ref_run)
+            dist[(mode, form == "eager")] = p
+            rows.append(dict(kernel="e2e_vs_fp32_reference", variant=mode,
+                             shape=dict(model=name, cuda_graphs=form == "graphs",
+                                        reference=ref["mode"], **pos),
+                             top1_agree=p["top1_agree"], max_abs_dlogprob=p["max_abs_dlogprob"],
+                             mean_abs_dlogprob=p["mean_abs_dlogprob"], detail=p))
+        check = reference_check(dist, dict(model=name, reference=ref["mode"], **pos))
+        if check:
+            rows.append(check)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/deepinfer-e2e")
@@ -237,6 +534,24 @@ def main() -> int:
     ap.add_argument("--recheck", type=Path, default=None,
                     help="apply the reference check to an earlier results file's "
                     "e2e_vs_fp32_reference rows, print the rows as JSON and exit")
+    g = ap.add_argument_group("long step (--steps long, long_reference)")
+    g.add_argument("--long-models", default=",".join(LONG_MODELS))
+    g.add_argument("--long-modes", default=",".join(LONG_MODES), help="of MODES")
+    g.add_argument("--long-forms", default="eager",
+                   help="eager and/or graphs (vLLM's default torch.compile + CUDA graphs)")
+    g.add_argument("--long-lens", default=",".join(map(str, LONG_LENS)),
+                   help="prompt lengths, each served at batch 1 (shortest first)")
+    g.add_argument("--long-b4-lens", default=None,
+                   help="of --long-lens, those also served as a batch of 4 (default: all; "
+                   "--quick: the shortest; '' for none)")
+    g.add_argument("--long-agree-len", type=int, default=LONG_AGREE_LEN,
+                   help="agreement prompt length (last 2,048 positions; 0: none)")
+    g.add_argument("--long-profile-len", type=int, default=None,
+                   help="the batch-1 prefill split by stage (default: the longest; 0: none)")
+    g.add_argument("--long-request-timeout", type=float, default=None,
+                   help="seconds per request (default: run.py's length-scaled limit)")
+    g.add_argument("--long-rerun", action="store_true",
+                   help="run long engines again whose output exists (complete or partial)")
     args = ap.parse_args()
     if args.recheck is not None:
         print(json.dumps(recheck(args.recheck), indent=1))
@@ -246,6 +561,7 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     steps = set(args.steps.split(","))
+    long_opts = long_options(args, ap) if steps & {"long", "long_reference"} else None
     agree_extra = ["--gpu-mem", str(round(0.9 / args.parallel, 2))]
     if not args.profile_memory:
         agree_extra += ["--kv-cache-gib", str(AGREE_KV_GIB)]
@@ -262,7 +578,8 @@ def main() -> int:
         # The agreement models serve every step but tput.
         agree_needed = bool(steps & {"agree", "reference", "graphs", "yoco", "nocompile"})
         make_checkpoints(work, (set(AGREE_MODELS) if agree_needed else set())
-                         | ({TPUT_MODEL} if "tput" in steps else set()),
+                         | ({TPUT_MODEL} if "tput" in steps else set())
+                         | (set(long_opts["models"]) if long_opts else set()),
                          dense=not args.sparse_routing)
     # Jobs in priority order (a --deadline drops the tail): (model, mode, form), form one of
     # "eager", "graphs", "nocompile".
@@ -311,6 +628,14 @@ def main() -> int:
             p = run_mode(work, TPUT_MODEL, m, "tput", False, extra)
             if not p:
                 not_done.append(f"{TPUT_MODEL}/{m}/tput")
+    if "long" in steps:
+        not_done += step_long(work, long_opts, args.long_rerun)
+    if "long_reference" in steps and long_opts["agree_len"]:
+        # After the engines, alone on the GPU: the fp32 reference of the agreement prompt.
+        for n in long_opts["models"]:
+            if not _ref_out(work, n, False).exists() and not run_reference(
+                    work, n, False, [long_opts["agree_len"]]):
+                not_done.append(f"{n}/fp32/reference")
     # Results from every run in the work folder, earlier invocations' too (so the steps can
     # run as separate commands and still land in one file).
     outs, tput_outs = [], []
@@ -508,6 +833,8 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                                  shape=dict(model=name), top1_agree=p["top1_agree"],
                                  max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
     rows += reference_rows(work, runs)
+    lruns = long_runs(work)
+    rows += long_rows(lruns) + long_agreement_rows(work, lruns)
     for f in sorted(work.glob("*-a100-nocompile.json")):
         r = json.load(open(f))
         a = r["audit"]
@@ -535,11 +862,16 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
         for p in [p for _, p in tput_outs] + sorted(work.glob("*-a100-nocompile.json")):
             sample = json.load(open(p))
             break
+    if not sample:
+        sample = next(iter(lruns.values()), None) or {}
     meta = dict(_meta(sample), date=datetime.date.today().isoformat(), failed_runs=failed_runs,
                 note="H200 figures; the a100 mode emulates an A100's kernel selection on the "
                      "H200 (DEEPINFER_EMULATE_CAPABILITY=8.0): its speeds are not A100 speeds")
     gpu = (sample.get("gpu") or "gpu").split()[-1].lower()
-    out = Path(args.results) / f"{gpu}-{meta['date']}-e2e-{(sample.get('commit') or 'dev')[:7]}.json"
+    # A run of the long step alone gets its own file name (its rows come from its work folder).
+    kind = "e2e-long" if set(args.steps.split(",")) <= {"ckpt", "long", "long_reference"} \
+        else "e2e"
+    out = Path(args.results) / f"{gpu}-{meta['date']}-{kind}-{(sample.get('commit') or 'dev')[:7]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(dict(meta=meta, rows=rows), open(out, "w"), indent=1)
     print(f"wrote {out} ({len(rows)} rows; failed runs: {failed_runs or 'none'})")
@@ -569,6 +901,18 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                   f"{'PASS' if row['passed'] else 'FAIL'}, {row['compared']} reused "
                   f"products compared, {row['mismatches']} differ; not compared: "
                   f"{row['kinds_not_compared'] or 'none'}")
+        elif row["kernel"] == "long_context":
+            s = row["shape"]
+            print(f"  {s['model']} {row['variant']:9s} graphs={s['cuda_graphs']!s:5s} "
+                  f"{s['phase']:7s} L{s['prompt_len']:<8d} b{s['batch']}: "
+                  + (f"{row['tokens_per_s']:10.1f} tok/s  ttft {_fmt(row['ttft_s'], '.2f')} s"
+                     f"  peak {_fmt(row['peak_gib'], '.1f')} GiB  kv {row['kv_tokens']}"
+                     if row["tokens_per_s"] is not None else f"failed: {row['error']}"))
+        elif row["kernel"] == "long_context_stage":
+            s = row["shape"]
+            print(f"  {s['model']} {row['variant']:9s} graphs={s['cuda_graphs']!s:5s} stage "
+                  f"L{s['prompt_len']} {s['stage']:15s} "
+                  + ("n/a" if row["seconds"] is None else f"{row['seconds']:.2f} s"))
         elif row["kernel"] == "e2e":
             print(f"  {row['variant']:9s} {row['shape']['phase']:8s} b{row['shape']['batch']:<3d} "
                   f"L{row['shape']['prompt_len']:<6d} "
