@@ -183,6 +183,7 @@ def serve(run, argv, llm=None, **engine_kw) -> dict:
     result = dict(mode=args.mode, task="long", eager=args.eager, model=args.model,
                   gpu="NVIDIA H200", torch="2.11", triton="3.6.0", vllm="0.33.0",
                   commit="abc1234", load_seconds=12.5, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs,
                   kv=run.kv_figures(llm, None))
     run.long_task(llm, 1000, args, result, lambda: run.write_json(args.out, result))
     run.write_json(args.out, result)

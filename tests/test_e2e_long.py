@@ -119,6 +119,7 @@ def test_default_flags_plan_four_eager_engines(fakes, tmp_path):
         assert a.task == "long" and a.eager and a.gpu_mem == e2e.LONG_GPU_MEM
         assert a.long_lens == [131072, 524288, 1048000] == a.b4_lens
         assert (a.agree_len, a.profile_len, a.decode_tokens, a.chunk) == (131072, 1048000, 64, 8192)
+        assert a.max_num_seqs == 4
         # b4 at 1M: 4 x 1,048,000 prompt tokens, the earliest request decodes through 512 steps
         assert a.max_model_len == 1048832
     assert name.startswith("gpu-") and "-e2e-long-" in name
@@ -276,6 +277,7 @@ def test_rows_schema_from_run_output(fakes, tmp_path):
             F.KV_TOKENS, F.KV_BLOCKS, 256)
         assert r["kv_available_gib"] == 96.0 and r["run_complete"] is True
         assert r["max_model_len"] == 16384 + 256 and r["chunk"] == 8192
+        assert r["max_num_seqs"] == run.LONG_MAX_SEQS
     dec = [r for r in long if r["shape"]["phase"] == "decode"]
     assert all(r["tokens"] == 64 * r["shape"]["batch"] for r in dec)
     assert all(r["timing"] == "engine steps after the last prefill" for r in dec)

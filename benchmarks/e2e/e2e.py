@@ -411,6 +411,8 @@ def long_rows(runs: dict) -> list[dict]:
                       kv_block_size=kv.get("block_size"),
                       kv_max_concurrency=kv.get("kv_max_concurrency"),
                       max_model_len=r.get("max_model_len"), chunk=r.get("chunk"),
+                      max_num_seqs=r.get("max_num_seqs"),
+                      gpu_memory_utilization=r.get("gpu_memory_utilization"),
                       load_seconds=r.get("load_seconds"), run_complete=r.get("complete", False))
         for q in r.get("rows", []):
             shape = lambda phase: dict(model=name, prompt_len=q["prompt_len"],  # noqa: E731

@@ -264,6 +264,11 @@ LONG_CHUNK = 8192
 # 1,024 entries of 16 candidate blocks of 64), C128A 96.
 LONG_WARMUP_LEN = 12288
 LONG_WARMUP_STEPS = 8
+# max_num_seqs of a long engine: the largest batch its plan serves. What the Ampere path
+# reserves for decode grows with it (vllm.deepinfer.reserve: indexer decode logits of
+# max_num_seqs rows x max_model_len / ratio columns, 1M wide here), and so do the CUDA graphs
+# vLLM captures (up to twice max_num_seqs by default).
+LONG_MAX_SEQS = 4
 # Agreement on the last 2,048 prompt positions of the agreement prompt (the window).
 LONG_AGREE_LAST = 2048
 # Per-request time limit: LONG_TIMEOUT_BASE_S plus LONG_TIMEOUT_S_PER_MTOK per million prompt
@@ -740,6 +745,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-len", type=int, default=1048000,
                     help="long: the batch-1 prefill of this length is split by stage "
                     "(torch.profiler; 0: none)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help=f"default: max(64, --batches) (agree, tput); long: {LONG_MAX_SEQS}")
     ap.add_argument("--request-timeout", type=float, default=None,
                     help="long: seconds per request (default: request_timeout's "
                     "length-scaled limit)")
@@ -764,6 +771,8 @@ def parse_args(argv=None, ap=None) -> argparse.Namespace:
     args = (ap or parser()).parse_args(argv)
     if args.chunk is None:
         args.chunk = LONG_CHUNK if args.task == "long" else CHUNK
+    if args.max_num_seqs is None:
+        args.max_num_seqs = LONG_MAX_SEQS if args.task == "long" else max(64, *args.batches)
     if args.max_model_len is None:
         args.max_model_len = (long_max_model_len(long_plan(
             args.long_lens, args.b4_lens, args.agree_len, args.decode_tokens, args.chunk))
@@ -827,7 +836,7 @@ def main() -> int:
     llm = LLM(model=args.model, skip_tokenizer_init=not has_tok, language_model_only=True,
               **eager_kw, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.chunk, enable_chunked_prefill=True,
-              gpu_memory_utilization=args.gpu_mem, max_num_seqs=max(64, *args.batches),
+              gpu_memory_utilization=args.gpu_mem, max_num_seqs=args.max_num_seqs,
               seed=args.seed, enable_prefix_caching=False,
               load_format="dummy" if args.dummy else "auto")
     load_s = time.perf_counter() - t0
@@ -853,7 +862,8 @@ def main() -> int:
         if args.task == "agree":
             result.update(agree(llm, vocab, args))
         elif args.task == "long":
-            result.update(max_model_len=args.max_model_len, kv=kv_figures(llm, kvlog))
+            result.update(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                          gpu_memory_utilization=args.gpu_mem, kv=kv_figures(llm, kvlog))
             long_task(llm, vocab, args, result, lambda: write_json(args.out, result))
         else:
             result["rows"] = tput(llm, vocab, args)
