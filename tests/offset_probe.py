@@ -151,12 +151,15 @@ def decode(case: str, device) -> dict:
     pos = torch.tensor([9, 900, 77], dtype=torch.int64, device=device)
     cs = _cos_sin(1024, 64, device)
 
+    # Two phases are an Ampere row: on a GPU of another variant the sm80 kernels run.
+    variant = "sm80" if predequant and device.type == "cuda" else None
+
     def run(qq, out):
         return smd.sparse_attn_decode(
             qq, main, mi, mp, 1.0 / math.sqrt(D), sink, kv_record.NOPE_DIM, kv_record.ROPE_DIM,
             extra_cache=extra, extra_indices=ei, extra_indptr=ep, out=out,
             inv_rope_positions=pos, inv_rope_cos_sin_cache=cs, num_kv_splits=splits,
-            predequant=predequant)
+            predequant=predequant, variant=variant)
 
     want = run(q, None)
     stride = far_stride(T)

@@ -22,9 +22,11 @@ Groups of launches (one launch per kernel and shape, kernel-level calls of our l
   sm80) and in one phase, a 4-token decode that splits its keys (the reduce kernel), the
   indexer's paged logits over 1M / ratio keys, and the writers of the step.
 * ``boundary``: each product that was 32-bit before it was fixed, just past 2^31 elements:
-  the indexer Q quant at 262,145 tokens x 64 index heads, the one-phase decode at 65,537
-  tokens x 64 heads, the V4 compressor with 8,193 requests over a 262,144-column state block
-  table (the inverse RoPE's is inside ``prefill-300k``: 131,072 rows x 64 heads).
+  the indexer Q quant at 262,145 tokens x 64 index heads, the one-phase decode at 32,769
+  tokens x 128 heads (at 64 heads its bound, 65,536 tokens, lies past the 65,535 tokens one
+  decode launch takes: CUDA's grid limit), the V4 compressor with 8,193 requests over a
+  262,144-column state block table (the inverse RoPE's is inside ``prefill-300k``: 131,072
+  rows x 64 heads).
 
 Every KV cache of a group is a view of one pool of 6 GiB (the index-K caches of one of
 3 GiB), pages placed at its top, so page offsets pass 2^31 bytes as in a cache of tens of
@@ -93,7 +95,10 @@ class Sizes:
     engram_heads: int = 8
     # Boundary launches: the first size past 2^31 of each product fixed to int64.
     b_indexer_tokens: int = 262_145       # x 64 heads x 128
-    b_decode_tokens: int = 65_537         # x 64 heads x 512
+    # x 128 heads x 512 (at 64 heads the bound, 65,536 tokens, is past the decode grid's
+    # 65,535 tokens per launch: CUDA's grid z limit)
+    b_decode_tokens: int = 32_769
+    b_decode_heads: int = 128
     b_compress_reqs: int = 8_193          # x 262,144 block-table columns
     b_compress_cols: int = 262_144        # 1M positions / 4-token state pages
 
@@ -103,8 +108,8 @@ FULL = Sizes()
 TOY = Sizes(heads=16, index_heads=16, window=16, topk=32, c128a_topk=64, prefill_tokens=8,
             prefill_context=300, logits_rows=3, decode_tokens=4, decode_context=2048,
             split_tokens=2, pool_bytes=4 << 20, index_pool_bytes=1 << 20, engram_rows=300,
-            engram_heads=2, b_indexer_tokens=3, b_decode_tokens=3, b_compress_reqs=3,
-            b_compress_cols=64)
+            engram_heads=2, b_indexer_tokens=3, b_decode_tokens=3, b_decode_heads=32,
+            b_compress_reqs=3, b_compress_cols=64)
 
 
 @dataclasses.dataclass
@@ -435,13 +440,13 @@ def _layers(sz: Sizes):
 
 
 def _decode(c, tokens, ratio, topk, swa_page, page, stride, *, predequant=None, splits=None,
-            check=True):
+            check=True, heads=None):
     """One decode launch of ``tokens`` tokens, window + top-k keys each, slots spread over
     the pool's top (the SWA cache's last window pages, the compressed cache's top 1M / ratio
     rows)."""
     from vllm.deepinfer.kernels import sparse_mla_decode as smd
     torch, sz = c.torch, c.sz
-    H = sz.heads
+    H = heads or sz.heads
     swa, comp = c.kv_cache(swa_page), c.kv_cache(page, stride)
     swa_rows, comp_rows = swa.shape[0] * swa_page, comp.shape[0] * page
     span = min(comp_rows, sz.decode_context // ratio)
@@ -531,9 +536,10 @@ def _boundary_cases(sz: Sizes) -> list[Case]:
                   max_offset=(ti - 1) * sz.index_heads * 128 + sz.index_heads * 128 - 1),
              lambda c: _indexer_q(c, ti)),
         Case("sparse_mla_decode.1p", g,
-             dict(tokens=td, heads=sz.heads, keys=sz.window + sz.topk,
-                  max_offset=(td - 1) * sz.heads * D + sz.heads * D - 1),
-             lambda c: _decode(c, td, 1, sz.topk, 32, 64, None, predequant=False)),
+             dict(tokens=td, heads=sz.b_decode_heads, keys=sz.window + sz.topk,
+                  max_offset=(td - 1) * sz.b_decode_heads * D + sz.b_decode_heads * D - 1),
+             lambda c: _decode(c, td, 1, sz.topk, 32, 64, None, predequant=False,
+                               heads=sz.b_decode_heads)),
         Case("fp8_writers_v4_compress.kv", g,
              dict(requests=rq, block_table_cols=cols, max_offset=(rq - 1) * cols + cols - 1),
              lambda c: _compress(c, 512, 0, 0, reqs=rq, cols=cols)),
@@ -610,6 +616,8 @@ def main(argv=None) -> int:
             print(f"{c.group:14s} {c.kernel:36s} {json.dumps(c.shape)} ok={row['ok']} "
                   f"spot={row['spot']} {row['seconds']} s", flush=True)
             rows.append(row)
+            if a.out:  # after every row: a run stopped part way keeps what it did
+                Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     if a.out:
         Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     bad = [r for r in rows if r["ok"] is False]
