@@ -318,9 +318,15 @@ def test_routing_switch(device, monkeypatch):
     unmasked sources) or a call outside the kernel give None: upstream's compute-then-mask."""
     q, kv, w, ks, ke, width, cand = _route_inputs(device)
     monkeypatch.delenv("DEEPINFER_CANDIDATE_LOGITS", raising=False)
+    monkeypatch.delenv("DEEPINFER_INDEXER_LOGITS", raising=False)
     monkeypatch.delenv("DEEPINFER_DISABLE", raising=False)
+    # sm90: DeepGEMM scores there (indexer_logits off by default), so no candidate route.
+    monkeypatch.setenv("DEEPINFER_ARCH", "sm90")
     routing.reset()
     try:
+        assert routing.candidate_mqa_logits(q, kv, w, ks, ke, width, cand, 8) is None
+        monkeypatch.setenv("DEEPINFER_ARCH", "sm80")  # the Ampere indexer: on by default
+        routing.reset()
         assert envs.FEATURES["candidate_logits"].default_on >= {"sm80", "sm86", "cpu"}
         got = routing.candidate_mqa_logits(q, kv, w, ks, ke, width, cand, 8)
         want = icl.candidate_mqa_logits(q[0], kv[0], kv[1], w, ks, ke, width, cand, 8)
@@ -392,6 +398,8 @@ def test_out_buffer_and_bad_inputs_name_the_tensor(device):
 
 
 # --------------------------------------------------------------------------- warmup
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="intercepts the interpreter's launches (CPU only)")
 @pytest.mark.parametrize("variant", ["sm80", "sm90"])
 def test_launches_are_warmed(variant, monkeypatch):
     """No compile while serving (as tests/test_warmup_coverage.py for the other kernels):

@@ -174,3 +174,28 @@ def test_bad_inputs_name_the_tensor(device):
         il.paged_mqa_logits(q, kv, w, ctx, bt.long(), 8)
     with pytest.raises(ValueError, match="^q: expected float8_e4m3fn"):
         il.paged_mqa_logits(q.half(), kv, w, ctx, bt, 8)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_flat_two_rows_per_program_same_bits(device, variant):
+    """The gathered form's two rows per program (FLAT_ROWS_PER_PROGRAM: one key tile loaded
+    and decoded for both) gives every row the bits of the one-row kernel: rows of one
+    request, a pair straddling two requests' ranges, an empty row and an odd last row."""
+    import dataclasses
+    assert il.FLAT_ROWS_PER_PROGRAM == 2 and il.TILES["sm80"].flat_rows == 2
+    gen = torch.Generator().manual_seed(9)
+    heads, N = 16, 260
+    k = _codes((N, D), gen, device)
+    s = torch.exp2(torch.randint(-10, 3, (N,), generator=gen).to(torch.float32)).to(device)
+    ranges = [(0, 60), (0, 61), (0, 130), (130, 131), (130, 130), (130, 260), (0, 1)]
+    ks = torch.tensor([a for a, _ in ranges], dtype=torch.int32, device=device)
+    ke = torch.tensor([b for _, b in ranges], dtype=torch.int32, device=device)
+    q = _codes((len(ranges), heads, D), gen, device)
+    w = torch.randn(len(ranges), heads, generator=gen).to(device)
+    width = int((ke - ks).max())
+    one = dataclasses.replace(il.TILES[variant], flat_rows=1)
+    a = il.mqa_logits(q, k, s, w, ks, ke, width, variant=variant, sm_count=2)
+    b = il.mqa_logits(q, k, s, w, ks, ke, width, variant=variant, sm_count=2, tile=one)
+    for i, (lo, hi) in enumerate(ranges):
+        assert torch.equal(a[i, : hi - lo].cpu().view(torch.int32),
+                           b[i, : hi - lo].cpu().view(torch.int32)), i

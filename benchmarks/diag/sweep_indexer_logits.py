@@ -7,9 +7,10 @@ Default: num_stages and programs per SM for the sm80 variant (software decode) a
 64 x 8192 decode and the 2048 x 8192 prefill of benchmarks/suites/indexer_logits.py (input
 rings > 2x L2). ``--long``: the unmasked kernel at long context, B = 16 decode rows and
 M = 128 prefill rows x each of ``--keys`` (default 1M) keys, over tiles (keys per tile,
-warps), stages and programs per SM, for the sm80 and sm90 variants, each with its TFLOP/s
-and share of the bf16 matmul rate measured in the same run; then the suite's long-context
-rows (candidate-only beside compute-then-mask). One JSON line per measurement (stdout, and
+warps), stages and programs per SM, and for prefill rows per program (1, or 2 sharing each
+key tile, with whether each row's bits equal the one-row 64 x 4 kernel's), for the sm80 and
+sm90 variants, each with its TFLOP/s and share of the bf16 matmul rate measured in the same
+run; then the suite's long-context rows (candidate-only beside compute-then-mask). One JSON line per measurement (stdout, and
 ``--out``); the chosen row goes into kernels/indexer_logits.py's TILES with a comment
 pointing at the committed results file.
 """
@@ -17,6 +18,8 @@ import argparse
 import dataclasses
 import json
 import sys
+
+import torch
 
 sys.path.insert(0, "benchmarks")
 
@@ -26,6 +29,8 @@ sys.path.insert(0, "benchmarks")
 LONG_TILES = [(64, 4), (64, 8), (128, 4), (128, 8)]
 LONG_STAGES = [1, 2, 3]
 LONG_PPS = [16, 32]
+# Prefill rows per program (LogitsTile.flat_rows): 1, or 2 sharing each key tile.
+LONG_FLAT_ROWS = [1, 2]
 
 
 def _emit(out, row):
@@ -69,37 +74,50 @@ def _long(h, out, keys):
         B, M = sil.LONG_DECODE_B, sil.LONG_PREFILL_M
         dec = [sil._decode_inputs(dev, B, L)]
         pre = [sil._prefill_inputs(dev, M, L)]
-        valid = int((pre[0]["ke"] - pre[0]["ks"]).sum())
+        x = pre[0]
+        lens = (x["ke"] - x["ks"]).tolist()
+        valid = sum(lens)
+        d_fl, p_fl = 2.0 * sil.H * sil.D * B * L, 2.0 * sil.H * sil.D * valid
         for variant in ("sm80", "sm90"):
             base = il.TILES[variant]
+            ref = il.mqa_logits(x["q"], x["k"], x["s"], x["w"], x["ks"], x["ke"], L,
+                                variant=variant, tile=dataclasses.replace(base, flat_rows=1))
             for (bn, nw) in LONG_TILES:
                 for stages in LONG_STAGES:
                     for pps in LONG_PPS:
                         t = dataclasses.replace(base, block_n=bn, num_warps=nw,
                                                 num_stages=stages, programs_per_sm=pps)
+                        row = {"L": L, "variant": variant, "bn": bn, "warps": nw,
+                               "stages": stages, "pps": pps}
                         try:
                             d_us = h.time_graph(lambda x: il.paged_mqa_logits(
                                 x["q"], x["cache"], x["w"], x["ctx"], x["table"], x["L"],
                                 variant=variant, tile=t), dec)
+                        except Exception as e:  # a tile that does not compile: say so
+                            _emit(out, dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                            continue
+                        _emit(out, dict(row, form="decode", B=B, us=round(d_us, 2),
+                                        tflops=round(d_fl / d_us / 1e6, 1),
+                                        matmul_share=round(d_fl / d_us / 1e6 / h.matmul_tflops,
+                                                           4)))
+                        for fr in LONG_FLAT_ROWS:
+                            tf = dataclasses.replace(t, flat_rows=fr)
+                            got = il.mqa_logits(x["q"], x["k"], x["s"], x["w"], x["ks"],
+                                                x["ke"], L, variant=variant, tile=tf)
+                            same = all(bool(torch.equal(got[r, :n].view(torch.int32),
+                                                        ref[r, :n].view(torch.int32)))
+                                       for r, n in enumerate(lens))
                             p_us = h.time_graph(lambda x: il.mqa_logits(
                                 x["q"], x["k"], x["s"], x["w"], x["ks"], x["ke"], L,
-                                variant=variant, tile=t), pre)
-                        except Exception as e:  # a tile that does not compile: say so
-                            _emit(out, {"L": L, "variant": variant, "bn": bn, "warps": nw,
-                                        "stages": stages, "pps": pps,
-                                        "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                            continue
-                        d_fl, p_fl = 2.0 * sil.H * sil.D * B * L, 2.0 * sil.H * sil.D * valid
-                        _emit(out, {
-                            "L": L, "variant": variant, "bn": bn, "warps": nw,
-                            "stages": stages, "pps": pps, "decode_B": B,
-                            "decode_us": round(d_us, 2),
-                            "decode_tflops": round(d_fl / d_us / 1e6, 1),
-                            "decode_matmul_share": round(d_fl / d_us / 1e6 / h.matmul_tflops, 4),
-                            "prefill_M": M, "prefill_us": round(p_us, 2),
-                            "prefill_tflops": round(p_fl / p_us / 1e6, 1),
-                            "prefill_matmul_share": round(p_fl / p_us / 1e6 / h.matmul_tflops,
-                                                          4)})
+                                variant=variant, tile=tf), pre)
+                            _emit(out, dict(row, form="prefill", M=M, flat_rows=fr,
+                                            us=round(p_us, 2),
+                                            tflops=round(p_fl / p_us / 1e6, 1),
+                                            matmul_share=round(
+                                                p_fl / p_us / 1e6 / h.matmul_tflops, 4),
+                                            same_bits_as_one_row_64x4=same))
+                            del got
+            del ref
         del dec, pre
 
 

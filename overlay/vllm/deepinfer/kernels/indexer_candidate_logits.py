@@ -174,17 +174,6 @@ def _check_candidates(candidates: torch.Tensor, block_size: int, rows: int, q) -
           lambda: f"candidate block size {block_size!r}, expected an int >= 1")
 
 
-def _output(out, rows: int, width: int, q) -> torch.Tensor:
-    if out is None:
-        return torch.empty(rows, width, dtype=torch.float32, device=q.device)
-    check(out.dtype == torch.float32 and out.dim() == 2 and tuple(out.shape) == (rows, width)
-          and out.device == q.device and (out.stride(1) == 1 or width <= 1)
-          and (rows <= 1 or out.stride(0) >= width), "out",
-          lambda: f"expected fp32 [{rows}, {width}] on {q.device} with contiguous rows, got "
-          f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
-    return out
-
-
 def candidate_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                          weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
                          cu_seqlen_ke: torch.Tensor, max_seqlen_k: int,
@@ -278,7 +267,7 @@ def _launch(q, rows: int, heads: int, width: int, width_name: str, tensors, args
     for name, t in tensors:
         check(t.device == q.device, name, lambda t=t: f"on {t.device}, q on {q.device}")
     check(width >= 0, width_name, lambda: f"{width} < 0")
-    out = _output(out, rows, width, q)
+    out = il._output(out, rows, width, q)  # a caller's buffer, checked, or a new one
     if rows == 0 or width == 0:
         return out
     v = arch.resolve(variant, il.TILES)
@@ -306,8 +295,9 @@ def _launch(q, rows: int, heads: int, width: int, width_name: str, tensors, args
 
 # --------------------------------------------------------------------------- compile gate
 _SIGNATURE = dict(il._SIGNATURE)
-for _name in ("H", "H_PAD", "D", "BLOCK_N", "PAGED", "CTX_PER_ROW", "HW_FP8", "E4B15"):
-    del _SIGNATURE[_name]  # re-added after the candidate arguments, in the kernel's order
+for _name in ("n_rows", "H", "H_PAD", "D", "BLOCK_N", "PAGED", "CTX_PER_ROW", "HW_FP8", "E4B15",
+              "ROWS"):
+    del _SIGNATURE[_name]  # the full kernel's own, or re-added below in the kernel's order
 _SIGNATURE.update({"list_ptr": "*i32", "count_ptr": "*i32", "n_cand": "i32", "cand_bs": "i32",
                    "width": "i32", "H": "constexpr", "H_PAD": "constexpr", "D": "constexpr",
                    "BLOCK_N": "constexpr", "PAGED": "constexpr", "CTX_PER_ROW": "constexpr",
@@ -321,8 +311,10 @@ _PREPARE_SIGNATURE = {
 
 def compile_constexprs(variant: str, heads: int = shapes.V41.index_heads) -> list[dict]:
     """The candidate kernel's constexpr sets on ``variant``: those of the full kernel
-    (``indexer_logits.compile_constexprs``: paged per request, paged per row, flat)."""
-    return il.compile_constexprs(variant, heads)
+    (``indexer_logits.compile_constexprs``: paged per request, paged per row, flat), one row
+    per program."""
+    return [{k: v for k, v in c.items() if k != "ROWS"}
+            for c in il.compile_constexprs(variant, heads)]
 
 
 def prepare_constexprs() -> list[dict]:

@@ -29,7 +29,9 @@ weighted sum over heads, times the keys' scales. e4m3 -> fp16 is exact: by the h
 conversion on sm_89+; below it in software, as the value * 2^-8 (see ``_to_fp16``), the two
 2^-8 factors coming back as one exact * 2^16. Every product is exact; only the fp32
 summation order differs from DeepGEMM's, so results agree to fp32 rounding
-(tests/test_indexer_logits.py).
+(tests/test_indexer_logits.py). The gathered (prefill) form runs two consecutive rows per
+program (``FLAT_ROWS_PER_PROGRAM``): each key tile is loaded and decoded once and scored for
+both rows (their query ranges' union), with each row's bits those of the one-row form.
 
 e4m3 NaN codes (0x7F/0xFF) decode as NaN in the hardware variant and as +-480 in the
 software one; the indexer writers saturate at +-448 and never emit them.
@@ -49,7 +51,7 @@ from vllm.deepinfer.kv_record import INDEX_HEAD_DIM as HEAD_DIM  # 128-dim index
 from vllm.deepinfer.kv_record import INDEX_SCALE_BYTES as SCALE_BYTES  # one fp32 per key
 
 __all__ = ["mqa_logits", "paged_mqa_logits", "compile_constexprs", "LogitsTile", "TILES",
-           "HEAD_DIM"]
+           "HEAD_DIM", "FLAT_ROWS_PER_PROGRAM"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,8 @@ class LogitsTile:
     # Software decode (no hardware e4m3): Triton's fp8e4b15 conversion instead of the
     # integer shift. Both exact on a GPU; the interpreter gets e4b15 subnormals wrong.
     e4b15: bool = False
+    # Gathered (prefill) form: query rows per program, 1 or 2 (FLAT_ROWS_PER_PROGRAM).
+    flat_rows: int = 1
 
 
 # Measured on the H200, GPU time from CUDA graphs, sm80 variant (software decode):
@@ -73,7 +77,20 @@ class LogitsTile:
 #   per SM — decode 64 x 8192 53.4 us, prefill 815 us; the former 2 stages x 8 programs gave
 #   63.1 / 843 us, 3-4 stages 63-72 us, 4 programs per SM 66-70 us.
 # sm_80 compile gate: 125-165 registers per thread, 24 KiB shared memory.
-_TILE = LogitsTile(block_n=64, num_warps=4, num_stages=1, programs_per_sm=16)
+# * prefill rows per program (an experimental two-row kernel with this arithmetic, H200 run
+#   at c8b2c82; 128 rows x 1M keys, causal): two consecutive rows share each key tile (one
+#   load, one e4m3 decode, two dots) -- sm80 8067 -> 5157 us (273 -> 426 TFLOP/s, 61% of the
+#   run's 695 TFLOP/s bf16 matmul), sm90 5905 -> 3947 us (372 -> 557, 80%); 128 rows x 128K:
+#   945 -> 630 and 672 -> 494 us. The pair at 8 warps was slower and gave other bits than the
+#   one-row kernel; at 64 keys x 4 warps every row's logits are bit-equal to the one-row
+#   kernel's (and to the candidate kernel's, kernels/indexer_candidate_logits.py). The
+#   one-row grid of that run (h200-2026-12-01-indexer-logits-long-sweep-c8b2c82.jsonl) over
+#   tiles and stages found nothing better for decode
+#   (64 x 4, 1 stage: 16 x 1M keys in 1321 us sm80 / 1044 us sm90) and at most 1.13x for
+#   prefill (3 stages), below the pair's 1.5x.
+FLAT_ROWS_PER_PROGRAM = 2
+_TILE = LogitsTile(block_n=64, num_warps=4, num_stages=1, programs_per_sm=16,
+                   flat_rows=FLAT_ROWS_PER_PROGRAM)
 TILES: dict[str, LogitsTile] = {v: _TILE for v in ("cpu", "sm80", "sm86", "sm89", "sm90", "sm100")}
 
 
@@ -113,13 +130,10 @@ def _row_query(q_ptr, w_ptr, row64, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.
 
 
 @triton.jit
-def _key_logits(q, w, key, valid, k_ptr, kscale_ptr, bt_row, page_stride, block_size,
-                D: tl.constexpr, PAGED: tl.constexpr, HW_FP8: tl.constexpr,
-                E4B15: tl.constexpr):
-    """Logits [BLOCK_N] fp32 of the keys ``key`` (request-local positions when ``PAGED``,
-    rows of ``k`` otherwise) against one row's ``q``/``w``. Shared by the kernel below and
-    the candidate-block kernel (kernels/indexer_candidate_logits.py): the same code at the
-    same tile gives every (row, key) the same bits in both."""
+def _key_tile(key, valid, k_ptr, kscale_ptr, bt_row, page_stride, block_size,
+              D: tl.constexpr, PAGED: tl.constexpr, HW_FP8: tl.constexpr, E4B15: tl.constexpr):
+    """The keys ``key`` (request-local positions when ``PAGED``, rows of ``k`` otherwise):
+    fp16 [BLOCK_N, D] (see ``_to_fp16``) and fp32 scales [BLOCK_N]."""
     d = tl.arange(0, D)
     if PAGED:
         page = tl.load(bt_row + key // block_size, mask=valid, other=0).to(tl.int64)
@@ -134,10 +148,28 @@ def _key_logits(q, w, key, valid, k_ptr, kscale_ptr, bt_row, page_stride, block_
         codes = tl.load(k_ptr + key64[:, None] * D + d[None, :], mask=valid[:, None],
                         other=0)
         scale = tl.load(kscale_ptr + key64, mask=valid, other=0.0)
-    k = _to_fp16(codes, HW_FP8, E4B15)
+    return _to_fp16(codes, HW_FP8, E4B15), scale
+
+
+@triton.jit
+def _tile_logits(k, scale, q, w):
+    """Logits [BLOCK_N] fp32 of a key tile against one row's ``q``/``w``."""
     # Keys on the dot's M side, heads on N: the head sum stays inside a warp.
     s = tl.dot(k, tl.trans(q))  # [BLOCK_N, H_PAD] fp32
     return tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+
+
+@triton.jit
+def _key_logits(q, w, key, valid, k_ptr, kscale_ptr, bt_row, page_stride, block_size,
+                D: tl.constexpr, PAGED: tl.constexpr, HW_FP8: tl.constexpr,
+                E4B15: tl.constexpr):
+    """Logits [BLOCK_N] fp32 of the keys ``key`` against one row's ``q``/``w``. Shared by
+    the kernel below and the candidate-block kernel (kernels/indexer_candidate_logits.py):
+    the same code at the same tile gives every (row, key) the same bits in both, and so does
+    the two-row form (``ROWS``), which runs ``_tile_logits`` twice on one ``_key_tile``."""
+    k, scale = _key_tile(key, valid, k_ptr, kscale_ptr, bt_row, page_stride, block_size, D,
+                         PAGED, HW_FP8, E4B15)
+    return _tile_logits(k, scale, q, w)
 
 
 @triton.jit
@@ -158,6 +190,41 @@ def _row_length(row, start_ptr, end_ptr, next_n, PAGED: tl.constexpr,
     return req, start, length
 
 
+@triton.jit
+def _pair_logits(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr, kscale_ptr,
+                 n_rows, H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HW_FP8: tl.constexpr, E4B15: tl.constexpr):
+    """Gathered form, program group g = rows 2g and 2g + 1 (the second absent past the
+    last row): tiles of the union of their key ranges, each loaded and decoded once and
+    scored for both rows; each row stores the keys of its own range."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    r0 = tl.program_id(1) * 2
+    has1 = r0 + 1 < n_rows
+    r1 = tl.minimum(r0 + 1, n_rows - 1)
+    s0 = tl.load(start_ptr + r0)
+    e0 = tl.load(end_ptr + r0)
+    s1 = tl.load(start_ptr + r1)
+    e1 = tl.load(end_ptr + r1)
+    lo = tl.minimum(s0, s1)
+    hi = tl.maximum(e0, e1)
+    ntiles = tl.cdiv(hi - lo, BLOCK_N)
+    if pid < ntiles:
+        q0, w0 = _row_query(q_ptr, w_ptr, r0.to(tl.int64), H, H_PAD, D, HW_FP8, E4B15)
+        q1, w1 = _row_query(q_ptr, w_ptr, r1.to(tl.int64), H, H_PAD, D, HW_FP8, E4B15)
+        n = tl.arange(0, BLOCK_N)
+        out0 = out_ptr + r0.to(tl.int64) * out_stride
+        out1 = out_ptr + r1.to(tl.int64) * out_stride
+        for t in range(pid, ntiles, nprog):
+            key = lo + t * BLOCK_N + n
+            k, scale = _key_tile(key, key < hi, k_ptr, kscale_ptr, k_ptr, 0, 1, D, False,
+                                 HW_FP8, E4B15)
+            tl.store(out0 + key - s0, _tile_logits(k, scale, q0, w0),
+                     mask=(key >= s0) & (key < e0))
+            tl.store(out1 + key - s1, _tile_logits(k, scale, q1, w1),
+                     mask=(key >= s1) & (key < e1) & has1)
+
+
 # Runtime integers that vary per call are not specialized (no ==1 / %16 variants), so one
 # compile per constexpr set covers every call and the JIT warmup (vllm.deepinfer.warmup) can
 # build them all. ``page_stride`` stays specialized: pages are 16-byte multiples (128 x 132
@@ -168,13 +235,17 @@ def _row_length(row, start_ptr, end_ptr, next_n, PAGED: tl.constexpr,
 # window, the decode rows of a mixed batch) whose 16-byte alignment varies: not specialized
 # on it, so vLLM's warmup covers every launch (tests/test_warmup_coverage.py); they are read
 # a word per row / per key tile.
-@triton.jit(do_not_specialize=["out_stride", "bt_stride", "block_size", "next_n"],
+@triton.jit(do_not_specialize=["out_stride", "bt_stride", "block_size", "next_n", "n_rows"],
             do_not_specialize_on_alignment=["start_ptr", "end_ptr", "bt_ptr"])
 def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr, kscale_ptr,
-                   bt_ptr, bt_stride, page_stride, block_size, next_n,
+                   bt_ptr, bt_stride, page_stride, block_size, next_n, n_rows,
                    H: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr,
                    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, CTX_PER_ROW: tl.constexpr,
-                   HW_FP8: tl.constexpr, E4B15: tl.constexpr):
+                   HW_FP8: tl.constexpr, E4B15: tl.constexpr, ROWS: tl.constexpr):
+    if ROWS == 2:  # gathered form only: rows 2g and 2g + 1 share every key tile
+        _pair_logits(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr,
+                     kscale_ptr, n_rows, H, H_PAD, D, BLOCK_N, HW_FP8, E4B15)
+        return
     row = tl.program_id(1)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -330,11 +401,14 @@ def _launch(q, rows: int, heads: int, width: int, width_name: str, tensors, args
         return out
     v = arch.resolve(variant, TILES)
     tile = tile or TILES[v.name]
-    grid = (_programs(tile, rows, width, q.device, sm_count), rows)
+    row_groups = 1 if paged else tile.flat_rows  # rows per program
+    groups = triton.cdiv(rows, row_groups)
+    grid = (_programs(tile, groups, width, q.device, sm_count), groups)
     _logits_kernel[grid](
-        out, out.stride(0), *args, H=heads, H_PAD=max(16, triton.next_power_of_2(heads)),
+        out, out.stride(0), *args, rows, H=heads, H_PAD=max(16, triton.next_power_of_2(heads)),
         D=HEAD_DIM, BLOCK_N=tile.block_n, PAGED=paged, CTX_PER_ROW=per_row, HW_FP8=v.hw_fp8,
-        E4B15=tile.e4b15, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        E4B15=tile.e4b15, ROWS=row_groups, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
     return out
 
 
@@ -343,19 +417,21 @@ _SIGNATURE = {
     "out_ptr": "*fp32", "out_stride": "i32", "q_ptr": "*u8", "w_ptr": "*fp32",
     "start_ptr": "*i32", "end_ptr": "*i32", "k_ptr": "*u8", "kscale_ptr": "*fp32",
     "bt_ptr": "*i32", "bt_stride": "i32", "page_stride": "i32", "block_size": "i32",
-    "next_n": "i32", "H": "constexpr", "H_PAD": "constexpr", "D": "constexpr",
+    "next_n": "i32", "n_rows": "i32", "H": "constexpr", "H_PAD": "constexpr", "D": "constexpr",
     "BLOCK_N": "constexpr", "PAGED": "constexpr", "CTX_PER_ROW": "constexpr",
-    "HW_FP8": "constexpr", "E4B15": "constexpr",
+    "HW_FP8": "constexpr", "E4B15": "constexpr", "ROWS": "constexpr",
 }
 
 
 def compile_constexprs(variant: str, heads: int = shapes.V41.index_heads) -> list[dict]:
     """The constexpr sets a model with ``heads`` index heads launches on ``variant``: paged
-    (one length per request, and per row for native multi-token decode) and flat."""
+    (one length per request, and per row for native multi-token decode) and flat (its rows
+    per program: the tile's ``flat_rows``)."""
     tile = TILES[variant]
     return [{"H": heads, "H_PAD": max(16, triton.next_power_of_2(heads)), "D": HEAD_DIM,
              "BLOCK_N": tile.block_n, "PAGED": paged, "CTX_PER_ROW": per_row,
-             "HW_FP8": arch.VARIANTS[variant].hw_fp8, "E4B15": tile.e4b15}
+             "HW_FP8": arch.VARIANTS[variant].hw_fp8, "E4B15": tile.e4b15,
+             "ROWS": 1 if paged else tile.flat_rows}
             for paged, per_row in ((True, False), (True, True), (False, False))]
 
 
