@@ -36,10 +36,11 @@ launcher from compact copies of their inputs must come back with the same bits (
 true / false / null where none). ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` is set (before torch is
 imported) so that every tensor is its own allocation and memcheck sees any access outside it.
 
-Time: the launches take about a second without memcheck on an H200; under memcheck expect
-about 5-15 minutes (memcheck slows memory-bound kernels 10-100x; the prefill attention over
-131,072 x 64 heads and the 1M-key paged logits dominate), and about 60 GiB of GPU memory at
-the peak (the prefill's q and output, 8.6 GB each). ``--only GROUP`` runs one group.
+Time: on the H200 at 94e0f91 (benchmarks/results/h200-2026-12-01-memcheck-94e0f91.json) the
+three groups under memcheck took 50 s (boundary and decode-1m, Triton compiles included) and
+32 s (prefill-300k, compiled kernels cached); allow a few minutes on a cold cache. Peak GPU
+memory is about 40 GiB (the prefill's q and output, 8.6 GB each). ``--only GROUP`` runs one
+group.
 ``--variant`` picks the tile/fp8 variant (default sm80: the Ampere code paths; on an H200 these
 are the sm_80-targeted kernels built for sm_90, not A100 figures). Results: one row per launch
 ``{kernel, group, shape, ok, spot, seconds, error}``; the exit status is 1 when a row failed.
