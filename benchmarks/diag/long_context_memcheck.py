@@ -38,9 +38,9 @@ imported) so that every tensor is its own allocation and memcheck sees any acces
 
 Time: on the H200 at 94e0f91 (benchmarks/results/h200-2026-12-01-memcheck-94e0f91.json) the
 three groups under memcheck took 50 s (boundary and decode-1m, Triton compiles included) and
-32 s (prefill-300k, compiled kernels cached); allow a few minutes on a cold cache. Peak GPU
-memory is about 40 GiB (the prefill's q and output, 8.6 GB each). ``--only GROUP`` runs one
-group.
+32 s (prefill-300k, compiled kernels cached); allow a few minutes on a cold cache. GPU memory
+(not measured): the prefill group holds about 30 GB at once (its q and output, 8.6 GB each,
+and the 9 GiB of pools). ``--only GROUP`` runs one group.
 ``--variant`` picks the tile/fp8 variant (default sm80: the Ampere code paths; on an H200 these
 are the sm_80-targeted kernels built for sm_90, not A100 figures). Results: one row per launch
 ``{kernel, group, shape, ok, spot, seconds, error}``; the exit status is 1 when a row failed.
