@@ -7,6 +7,10 @@ Subcommands (each takes --json for machine-readable output):
   plan        weights per GPU, KV budget, KV tokens and 1M sequences for one TP x PP layout
   compare     the 6 x 64 GiB comparison (TP2 x PP3 14,14,12 / PP6 / TP2 + TP4) and the
               gap to the 4,648,480-token reference
+  predict     the KV tokens vLLM reports for a served config.json, given the KV memory it
+              logged ("Available KV cache memory: X GiB"): cache groups, pool block, blocks
+              per request, e.g. predict --config benchmarks/e2e/configs/v41-tput/config.json
+              --kv-gib 101.55 --path ampere --page 128
   chart       render docs/img/topology-1m-context.png (needs matplotlib)
 
 Bad input exits with status 2 and a message on stderr naming the field.
@@ -33,6 +37,11 @@ import kvplan as kvp  # noqa: E402
 
 DEFAULT_V41_CONFIG = REPO / "tools" / "configs" / "deepseek-v4.1-illustrative.json"
 PROG = "kv_planner"
+# predict's defaults: the long-context engine of benchmarks/e2e/run.py --task long (chunked
+# prefill of 8,192 tokens; max_model_len 1,048,320 = the 1,048,000-token prompt plus its
+# 66-token decode window, rounded up to 256: run.py long_max_model_len).
+PREDICT_CHUNK = 8192
+PREDICT_MAX_MODEL_LEN = 1_048_320
 
 
 # --------------------------------------------------------------------------------------
@@ -67,6 +76,13 @@ def _add_topology_args(p: argparse.ArgumentParser) -> None:
                    help="V4.1 readers whose kv source is on another stage: replicate|reject")
     p.add_argument("--engram-on-gpu", action="store_true", help="V4.1 Engram tables resident on GPU")
     p.add_argument("--load-draft", action="store_true", help="load the MTP/DSpark drafter")
+    _add_paging_arg(p)
+
+
+def _add_paging_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--paging", default="ampere",
+                   help=f"serving path's kernel pages: {'|'.join(kvp.PAGINGS)} (default ampere: "
+                   "the Ampere path as the tree has it)")
 
 
 def _add_weight_args(p: argparse.ArgumentParser) -> None:
@@ -96,6 +112,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_weight_args(p)
     p.add_argument("--util", type=float, default=kvp.DEFAULT_GPU_MEMORY_UTILIZATION)
     p.add_argument("--base-reserve-gib", type=float, default=2.0)
+    _add_paging_arg(p)
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("predict", help="vLLM's reported KV tokens for a served config")
+    p.add_argument("--config", required=True, help="the served config.json (V4.1 or V4)")
+    p.add_argument("--kv-gib", type=float, required=True,
+                   help="the KV memory vLLM logged (\"Available KV cache memory: X GiB\")")
+    p.add_argument("--path", default="ampere",
+                   help=f"ampere|upstream-sm90 (or one of {', '.join(kvp.PAGINGS)}); default ampere")
+    p.add_argument("--page", type=int, help="ampere: the compressed-KV kernel page (64 since "
+                   "7f9e907, 128 before); upstream-sm90 takes 64")
+    p.add_argument("--indexer-page", type=int,
+                   help="ampere: the indexer-K kernel page (default 128, upstream's off SM90)")
+    p.add_argument("--max-model-len", type=int, default=PREDICT_MAX_MODEL_LEN,
+                   help="the engine's max_model_len (default %(default)s, run.py --task long)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=PREDICT_CHUNK,
+                   help="the engine's chunk (default %(default)s)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (in-flight tokens)")
+    p.add_argument("--indexer-dtype", default="fp8", help="fp8|fp4 (default fp8, vLLM's)")
+    p.add_argument("--reported", type=int, help="vLLM's reported figure, to compare with")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("chart", help="render the topology chart (needs matplotlib)")
     p.add_argument("--out", default=str(REPO / "docs" / "img" / "topology-1m-context.png"))
@@ -140,7 +175,8 @@ def topology(args: argparse.Namespace, num_layers: int):
                         base_reserve_gib=args.base_reserve_gib,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, cross_stage_kv=args.cross_stage_kv,
-                        engram_on_gpu=args.engram_on_gpu, load_draft=args.load_draft, label=label)
+                        engram_on_gpu=args.engram_on_gpu, load_draft=args.load_draft, label=label,
+                        paging=args.paging)
 
 
 def config_note(model, config_path) -> list[str]:
@@ -235,7 +271,7 @@ def render_plans(plans: list, gap=None) -> str:
 def cmd_compare(args: argparse.Namespace) -> Any:
     model, config_path = resolve_model(args)
     plans = kvp.compare_six_gpus(model, weight_dtypes(args), cache_format(args), util=args.util,
-                                 base_reserve_gib=args.base_reserve_gib)
+                                 base_reserve_gib=args.base_reserve_gib, paging=args.paging)
     for p in plans:
         p.assumptions = config_note(model, config_path) + p.assumptions
     applies = kvp.reference_applies(model)
@@ -251,6 +287,30 @@ def cmd_compare(args: argparse.Namespace) -> Any:
                 f"{model.arch['num_hidden_layers']}, so no gap is computed (it is a V4.1 figure)")
     head = f"{model.name} on 6 x {kvp.REFERENCE_GPU_MEM_GIB:g} GiB; {ref}"
     return head + "\n\n" + render_plans(plans, gap)
+
+
+def cmd_predict(args: argparse.Namespace) -> Any:
+    config = kvp.load_config(args.config)
+    if args.pp <= 0:
+        raise kvp.PlannerInputError("pp", f"must be positive, got {args.pp}")
+    paging = kvp.paging_for(args.path, args.page, args.indexer_page)
+    pr = kvp.predict(config, args.kv_gib, paging, args.max_model_len, args.max_num_batched_tokens,
+                     kvp.CacheFormat("fp8", args.indexer_dtype), args.pp, args.reported)
+    if args.json:
+        return {**dataclasses.asdict(pr), "error": pr.error, "config": args.config}
+    rows = [[g["kind"], g["block_size"], g["caches"], f"{g['page_bytes']:,}",
+             f"{g['blocks_per_request']:,}"] for g in pr.groups]
+    lines = [f"{pr.model} ({args.config}), paging {pr.paging}: block size {pr.block_size}, "
+             f"max_model_len {pr.max_model_len:,}, {pr.in_flight_tokens:,} in-flight tokens", "",
+             kvp.table(["group", "block tokens", "caches", "page B", "blocks per request"], rows), "",
+             f"pool block: {pr.bytes_per_block:,} B (widest group {pr.widest_group_bytes:,} B)",
+             f"KV memory {args.kv_gib:g} GiB = {pr.kv_bytes:,} B -> {pr.num_blocks:,} blocks; "
+             f"{pr.blocks_per_request:,} per request; concurrency {pr.concurrency:.2f}",
+             f"predicted GPU KV cache size: {pr.tokens:,} tokens"]
+    if pr.reported:
+        lines.append(f"reported: {pr.reported:,} tokens; predicted / reported - 1 = {pr.error:+.4%}")
+    lines += [f"note: {n}" for n in pr.notes]
+    return "\n".join(lines)
 
 
 def cmd_chart(args: argparse.Namespace) -> Any:
@@ -313,7 +373,7 @@ def _chart_topologies(ax, v41) -> None:
 
 
 COMMANDS = {"published": cmd_published, "layers": cmd_layers, "plan": cmd_plan,
-            "compare": cmd_compare, "chart": cmd_chart}
+            "compare": cmd_compare, "predict": cmd_predict, "chart": cmd_chart}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,8 @@ Pure Python standard library: no torch, no vLLM, no GPU. Two layers of answers:
    indexer; V4 c4a / c128a / sliding-window-only; V4.1 compress ratio 0/1/2 with YOCO
    KV-source sharing) for bf16, the 584-byte fp8 record and the fp8/fp4 indexer caches,
    both the way the published figures count them (exact tokens, no paging) and the way
-   vLLM 0.33.0 pages them (256-token logical blocks, per-type page sizes with alignment
-   padding, page-size buckets).
+   vLLM 0.33.0 pages them (per-type page sizes with alignment padding, and the cache groups
+   of its block-outermost packing with the KV tokens it reports, ``packing``).
 2. Topology planning. Weights per GPU for a TP x PP layout with a per-stage layer split,
    the KV budget left under a memory-utilization fraction, and how many KV tokens and 1M
    sequences fit. Every number that is not derived from the upstream source is an
@@ -25,7 +25,10 @@ command. The modules, in dependency order (each imports only modules above it):
                   published figures
 * ``models``      model facts (architectures and their sources), config loading
 * ``weights``     bytes per parameter, parameters per layer
-* ``planning``    Topology, workspaces, per-stage plans, the split search
+* ``packing``     vLLM's block size, cache specs, block-outermost packing and KV capacity
+* ``workspace``   what the Ampere path reserves before vLLM sizes the KV cache
+* ``prediction``  the KV tokens vLLM reports for a served config and its KV memory
+* ``planning``    Topology, per-stage plans, the split search
 * ``comparison``  the 6-GPU comparison and the gap to the reference
 * ``tables``      markdown tables
 
@@ -39,7 +42,7 @@ from .sizes import (ATTN_DTYPES, BF16, CONTEXT_1M, DEFAULT_GPU_MEMORY_UTILIZATIO
                     INDEXER_RECORD, LOGICAL_BLOCK, PACKED_ALIGNMENT, PLAIN_ALIGNMENT,
                     SWA_BLOCK, V32_FP8_RECORD, V32_LATENT_DIM, V41_MXFP8_RECORD,
                     V41_NVFP4_COMPRESSED_RECORD, V41_RING_ROWS, V4_FP8_RECORD, V4_HEAD_DIM,
-                    V4_STATE_BLOCK, GiB, KiB, MiB, cdiv, round_up)
+                    V4_STATE_BLOCK, V41_BLOCK, GiB, KiB, MiB, cdiv, round_up)
 from .layers import (CacheFormat, CacheKind, Layer, v32_layer, v32_stack, v41_layer, v41_stack,
                      v4_layer, v4_stack)
 from .accounting import (PUBLISHED_V32_LAYERS, PUBLISHED_V4_RATIOS, LayerTypeRow, PageRow,
@@ -50,11 +53,17 @@ from .models import (MODEL_FACTS, REQUIRED_ARCH_FIELDS, V4_FLASH_ARCH, V4_PRO_AR
                      build_stack, load_config, model_names, resolve_model)
 from .weights import (DENSE_DTYPES, EXPERT_DTYPES, WEIGHT_BYTES, LayerParams, WeightDtypes,
                       layer_params, model_params)
-from .planning import (INDEXER_LOGITS_BYTES, MLA_WORKSPACE_BYTES_PER_TOKEN,
-                       PREFILL_BUFFER_ENTRIES_PER_TOKEN, Plan, StagePlan, Topology, even_split,
-                       parse_int_list, plan, plan_assumptions, search_split, stage_caches,
-                       stage_ranges, stage_weight_bytes, validate_topology, workspace_bytes,
-                       workspace_factor)
+from .packing import (PAGINGS, Capacity, CacheSpec, Group, MultipleOf, Packing, Paging,
+                      approximate_gcd, capacity, in_flight_tokens, pack, paging_for,
+                      resolve_block_size, served_specs)
+from .workspace import (GATHER_BUFFER_MAX_BYTES, INDEXER_K_MAX_ROWS, INDEXER_LOGITS_BYTES,
+                        PREFILL_BUFFER_ENTRIES_PER_TOKEN, PREFILL_CHUNK_SIZE,
+                        ampere_reserved_bytes, indexer_gather_bytes, prefill_gather_bytes,
+                        workspace_factor)
+from .planning import (Plan, StagePlan, Topology, even_split, parse_int_list, plan,
+                       plan_assumptions, search_split, stage_caches, stage_ranges,
+                       stage_weight_bytes, validate_topology, workspace_bytes)
+from .prediction import Prediction, family_of, predict
 from .comparison import (REFERENCE_GPUS, REFERENCE_GPU_MEM_GIB, REFERENCE_SPLIT,
                          REFERENCE_TOKENS, ReferenceGap, compare_six_gpus, reference_applies,
                          reference_gap, six_gpu_topologies)
@@ -65,7 +74,7 @@ __all__ = ['PlannerInputError', 'KiB', 'MiB', 'GiB', 'CONTEXT_1M', 'V32_LATENT_D
            'V4_HEAD_DIM', 'INDEXER_HEAD_DIM', 'BF16', 'V32_FP8_RECORD', 'V4_FP8_RECORD',
            'V41_MXFP8_RECORD', 'V41_NVFP4_COMPRESSED_RECORD', 'INDEXER_RECORD', 'ATTN_DTYPES',
            'INDEXER_DTYPES', 'FP32', 'LOGICAL_BLOCK', 'SWA_BLOCK', 'PACKED_ALIGNMENT',
-           'PLAIN_ALIGNMENT', 'V4_STATE_BLOCK', 'V41_RING_ROWS',
+           'PLAIN_ALIGNMENT', 'V4_STATE_BLOCK', 'V41_BLOCK', 'V41_RING_ROWS',
            'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'DEFAULT_GPU_MEMORY_UTILIZATION', 'round_up',
            'cdiv', 'CacheKind', 'Layer', 'CacheFormat', 'v32_layer', 'v4_layer', 'v41_layer',
            'v32_stack', 'v4_stack', 'v41_stack', 'layer_bytes_per_token', 'layer_bytes',
@@ -75,8 +84,13 @@ __all__ = ['PlannerInputError', 'KiB', 'MiB', 'GiB', 'CONTEXT_1M', 'V32_LATENT_D
            'V4_PRO_ARCH', 'ModelFacts', 'MODEL_FACTS', 'model_names', 'load_config',
            'REQUIRED_ARCH_FIELDS', 'resolve_model', 'build_stack', 'WEIGHT_BYTES',
            'EXPERT_DTYPES', 'DENSE_DTYPES', 'WeightDtypes', 'LayerParams', 'layer_params',
-           'model_params', 'PREFILL_BUFFER_ENTRIES_PER_TOKEN', 'MLA_WORKSPACE_BYTES_PER_TOKEN',
-           'INDEXER_LOGITS_BYTES', 'workspace_factor', 'Topology', 'parse_int_list',
+           'model_params', 'PAGINGS', 'Paging', 'paging_for', 'MultipleOf',
+           'resolve_block_size', 'CacheSpec', 'served_specs', 'Group', 'Packing', 'pack',
+           'approximate_gcd', 'in_flight_tokens', 'Capacity', 'capacity',
+           'PREFILL_CHUNK_SIZE', 'PREFILL_BUFFER_ENTRIES_PER_TOKEN', 'INDEXER_LOGITS_BYTES',
+           'GATHER_BUFFER_MAX_BYTES', 'INDEXER_K_MAX_ROWS', 'prefill_gather_bytes',
+           'indexer_gather_bytes', 'ampere_reserved_bytes', 'workspace_factor',
+           'Prediction', 'family_of', 'predict', 'Topology', 'parse_int_list',
            'even_split', 'validate_topology', 'stage_ranges', 'stage_caches',
            'workspace_bytes', 'StagePlan', 'Plan', 'stage_weight_bytes', 'plan',
            'plan_assumptions', 'search_split', 'REFERENCE_TOKENS', 'REFERENCE_SPLIT',

@@ -9,7 +9,7 @@ from .errors import PlannerInputError
 from .sizes import (ATTN_DTYPES, BF16, FP32, INDEXER_DTYPES, INDEXER_HEAD_DIM, INDEXER_RECORD,
                     LOGICAL_BLOCK, PACKED_ALIGNMENT, PLAIN_ALIGNMENT, SWA_BLOCK, V4_FP8_RECORD,
                     V4_HEAD_DIM, V4_STATE_BLOCK, V32_FP8_RECORD, V32_LATENT_DIM, V41_MXFP8_RECORD,
-                    V41_NVFP4_COMPRESSED_RECORD, V41_RING_ROWS, cdiv, round_up)
+                    V41_BLOCK, V41_NVFP4_COMPRESSED_RECORD, V41_RING_ROWS, cdiv, round_up)
 
 
 # --------------------------------------------------------------------------------------
@@ -72,12 +72,16 @@ class CacheKind:
 @dataclass(frozen=True)
 class Layer:
     """A decoder layer: its type label, the caches it owns, and (V4.1 YOCO consumers) the
-    layer whose compressed + indexer caches it reads instead of owning them."""
+    layer whose compressed + indexer caches it reads instead of owning them; ``ratio`` is
+    its compress ratio (0: sliding window only; readers keep theirs) and ``window`` its
+    sliding window (the prefill gather workspace is sized from both)."""
 
     index: int
     label: str
     caches: tuple[CacheKind, ...]
     kv_source: int | None = None
+    ratio: int = 0
+    window: int = 0
 
     def owns_context_cache(self) -> bool:
         return any(c.growth == "context" for c in self.caches)
@@ -156,7 +160,7 @@ def v4_layer(index: int, ratio: int, fmt: CacheFormat, window: int = 128) -> Lay
     and their compressor states; ratio 128 (c128a) adds a compressed cache + state."""
     caches = [_swa_cache(fmt, "v4", window)]
     if ratio <= 1:
-        return Layer(index, "swa", tuple(caches))
+        return Layer(index, "swa", tuple(caches), window=window)
     if ratio not in (4, 128):
         raise PlannerInputError("compress_ratios", f"layer {index}: V4 ratio {ratio} not in (0, 4, 128)")
     label = f"c{ratio}a"
@@ -177,35 +181,39 @@ def v4_layer(index: int, ratio: int, fmt: CacheFormat, window: int = 128) -> Lay
                                 "window", window=coff * ratio, block_tokens=V4_STATE_BLOCK[4],
                                 alignment=align, published=False,
                                 upstream_spec="SlidingWindowMLASpec"))
-    return Layer(index, label, tuple(caches))
+    return Layer(index, label, tuple(caches), ratio=ratio, window=window)
 
 
 def v41_layer(index: int, ratio: int, kv_source: int | None, index_source: bool,
-              fmt: CacheFormat, window: int = 128) -> Layer:
+              fmt: CacheFormat, window: int = 128, block: int = V41_BLOCK) -> Layer:
     """DeepSeek-V4.1 layer (models/deepseek_v41/attention.py): every layer keeps a SWA cache;
     only kv-source layers own a compressed cache (ratio 1 or 2), an indexer K cache (if
     they are index sources too) and, for ratio 2, the compressor ring. Consumers read the
     caches of ``kv_source`` = max(kv_source_layer_ids <= layer)."""
     caches = [_swa_cache(fmt, "v41", window)]
     if ratio == 0:
-        return Layer(index, "swa", tuple(caches))
+        return Layer(index, "swa", tuple(caches), window=window)
     if ratio not in (1, 2):
         raise PlannerInputError("compress_ratios", f"layer {index}: V4.1 ratio {ratio} not in (0, 1, 2)")
     if kv_source != index:
-        return Layer(index, f"c{ratio}-reader", tuple(caches), kv_source=kv_source)
+        return Layer(index, f"c{ratio}-reader", tuple(caches), kv_source=kv_source,
+                     ratio=ratio, window=window)
     align = _alignment(fmt)
     caches.append(CacheKind(f"c{ratio}.kv", _v4_compressed_record(fmt, "v41"), "context",
-                            tokens_per_state=ratio, alignment=align))
+                            tokens_per_state=ratio, block_tokens=block, alignment=align))
+    # Only kv sources own an indexer K cache (models/deepseek_v41/attention.py: non-owning
+    # index sources share the K cache of the kv source below them).
     if index_source:
         caches.append(CacheKind(f"c{ratio}.indexer", INDEXER_RECORD[fmt.indexer], "context",
-                                tokens_per_state=ratio, alignment=align))
+                                tokens_per_state=ratio, block_tokens=block, alignment=align))
     if ratio == 2:
         # Ring of the open group's [kv, score] fp32 rows, one block a request
         # (models/deepseek_v41/compressor.py::CompressorStateCache -> CircularBufferSpec).
         caches.append(CacheKind("c2.compressor_ring", 2 * V4_HEAD_DIM * FP32, "ring",
                                 rows=V41_RING_ROWS, block_tokens=V41_RING_ROWS,
                                 published=False, upstream_spec="CircularBufferSpec"))
-    return Layer(index, f"c{ratio}-source", tuple(caches), kv_source=index)
+    return Layer(index, f"c{ratio}-source", tuple(caches), kv_source=index, ratio=ratio,
+                 window=window)
 
 
 # --------------------------------------------------------------------------------------

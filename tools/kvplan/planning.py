@@ -6,39 +6,20 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .accounting import paged_request_bytes, stack_bytes_per_token
+from .accounting import stack_bytes_per_token
 from .errors import PlannerInputError
 from .layers import CacheFormat, Layer
 from .models import ModelFacts, build_stack
+from .packing import PAGINGS, Packing, in_flight_tokens, pack, served_specs
 from .sizes import (CONTEXT_1M, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                    GiB, LOGICAL_BLOCK, MiB, SWA_BLOCK)
+                    GiB, SWA_BLOCK)
 from .weights import WEIGHT_BYTES, WeightDtypes, layer_params
+from .workspace import ampere_reserved_bytes, workspace_factor
 
 
 # --------------------------------------------------------------------------------------
 # Topology planning
 # --------------------------------------------------------------------------------------
-# 1M-context workspaces vLLM reserves per GPU during its profiling run (so they come out
-# of the KV budget):
-# - sparse_mla_prefill_workspace_factor: 2 when max_model_len > 256K, else 5
-#   (config/vllm.py);
-# - indexer K-gather workspace: get_max_prefill_buffer_size = max_model_len *
-#   (576 * 2 // 132) * factor entries, divided by the layer's compress ratio, each entry
-#   one indexer row (v1/attention/backends/mla/indexer.py; _gather_workspace_shapes in
-#   model_executor/layers/sparse_attn_indexer.py);
-# - sparse-MLA prefill workspace: factor * max_model_len * 576 * 2 B (the sizing the
-#   indexer.py comment gives for the FlashMLA sparse workspace; assumed the same for the
-#   SM80 Triton path);
-# - a dummy logits tensor of VLLM_SPARSE_INDEXER_MAX_LOGITS_MB = 512 MiB (envs.py).
-PREFILL_BUFFER_ENTRIES_PER_TOKEN = 576 * 2 // 132  # = 8
-MLA_WORKSPACE_BYTES_PER_TOKEN = 576 * 2
-INDEXER_LOGITS_BYTES = 512 * MiB
-
-
-def workspace_factor(max_model_len: int) -> int:
-    return 5 if max_model_len <= 256 * 1024 else 2
-
-
 @dataclass(frozen=True)
 class Topology:
     """A TP x PP layout. ``tp`` has one entry per pipeline stage (asymmetric TP allowed)."""
@@ -61,6 +42,9 @@ class Topology:
     engram_on_gpu: bool = False   # V4.1 Engram tables resident (else host/UVA offload)
     load_draft: bool = False      # speculative-decoding drafter (MTP / DSpark) on last stage
     label: str = ""
+    # The serving path's kernel pages (packing.PAGINGS): "ampere" is the Ampere path as the
+    # tree has it (since 7f9e907).
+    paging: str = "ampere"
 
     @property
     def pp(self) -> int:
@@ -102,6 +86,8 @@ def validate_topology(topo: Topology, model: ModelFacts) -> None:
         for key in ("num_attention_heads", "o_groups"):
             if arch[key] % tp:
                 raise PlannerInputError("tp", f"TP {tp} does not divide {key}={arch[key]} of {model.name}")
+    if topo.paging not in PAGINGS:
+        raise PlannerInputError("paging", f"unknown {topo.paging!r}; expected one of {tuple(PAGINGS)}")
     if topo.cross_stage_kv not in ("replicate", "reject"):
         raise PlannerInputError("cross_stage_kv", f"expected replicate|reject, got {topo.cross_stage_kv!r}")
 
@@ -130,20 +116,10 @@ def _context_only(layer: Layer) -> Layer:
                                caches=tuple(c for c in layer.caches if c.growth == "context"))
 
 
-def workspace_bytes(held: list[Layer], topo: Topology) -> dict[str, float]:
-    """The 1M-context workspaces a stage's GPUs reserve (see the constants above)."""
-    factor = workspace_factor(topo.max_model_len)
-    indexers = [c for x in held for c in x.caches if c.name.endswith(".indexer")]
-    sparse = any(x.owns_context_cache() for x in held)
-    out = {"indexer_k_gather": 0.0, "sparse_mla_prefill": 0.0, "indexer_logits": 0.0}
-    if indexers:
-        ratio = min(c.tokens_per_state for c in indexers)
-        entries = topo.max_model_len * PREFILL_BUFFER_ENTRIES_PER_TOKEN * factor // ratio
-        out["indexer_k_gather"] = entries * max(c.record_bytes for c in indexers)
-        out["indexer_logits"] = INDEXER_LOGITS_BYTES
-    if sparse:
-        out["sparse_mla_prefill"] = factor * topo.max_model_len * MLA_WORKSPACE_BYTES_PER_TOKEN
-    return out
+def workspace_bytes(held: list[Layer], topo: Topology) -> dict[str, int]:
+    """What a stage's GPUs reserve before vLLM sizes the KV cache (workspace.py), by term."""
+    return ampere_reserved_bytes(held, topo.max_model_len, topo.max_num_batched_tokens,
+                                 yoco=topo.paging.startswith("ampere"))
 
 
 @dataclass(frozen=True)
@@ -152,13 +128,15 @@ class StagePlan:
     layers: str
     tp: int
     weights_gib: float
-    reserve_gib: float           # base reserve + 1M-context workspaces
+    reserve_gib: float           # base reserve + the Ampere path's reservations
     kv_budget_gib: float
     kv_bytes_per_token: float
-    request_bytes: int           # vLLM-style per-request reservation at max_model_len
+    request_bytes: int           # vLLM's per-request reservation at max_model_len (packed)
     kv_tokens: int               # raw tokens that fit (per-token bytes, no per-seq overhead)
     seqs: float                  # max_model_len sequences that fit (vLLM concurrency)
     replicated_sources: tuple[int, ...] = ()
+    block_bytes: int = 0         # one pool block on this stage (packing.py)
+    num_blocks: int = 0          # pool blocks this stage's budget holds
 
 
 @dataclass
@@ -171,6 +149,7 @@ class Plan:
     kv_tokens: int = 0           # min over stages: GPU-resident KV tokens of the pipeline
     seqs: float = 0.0            # min over stages: max_model_len sequences
     reported_tokens: int = 0     # what vLLM logs: int(seqs * max_model_len)
+    packing: dict[str, Any] = field(default_factory=dict)  # groups, blocks per request
     fits: bool = True
     warnings: list[str] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
@@ -218,34 +197,55 @@ def plan(model: ModelFacts, topo: Topology, dtypes: WeightDtypes = WeightDtypes(
     layers = layers or build_stack(model, fmt)
     result = Plan(model.name, topo.label, dataclasses.asdict(topo), fmt.label(), [])
     ranges = stage_ranges(topo.split)
+    staged = []
     for s, ids in enumerate(ranges):
         held, foreign = stage_caches(layers, ids)
         if foreign:
             _cross_stage(result, topo, s, ids, foreign, layers)
         weights = stage_weight_bytes(model, layers, ids, topo.tp[s], dtypes, s == 0,
                                      s == len(ranges) - 1, topo)
-        result.stages.append(_stage_plan(s, ids, topo, held, foreign, weights))
+        staged.append((s, ids, held, foreign, weights))
+    packing, names = _stage_packing(model, topo, staged)
+    for s, ids, held, foreign, weights in staged:
+        result.stages.append(_stage_plan(s, ids, topo, held, foreign, weights, packing, names[s]))
     if len(set(topo.tp)) > 1:
         result.warnings.append(
             f"per-stage TP sizes {'/'.join(map(str, topo.tp))}: vLLM 0.33.0 has one "
             "tensor_parallel_size for every pipeline stage (config/parallel.py), so an asymmetric "
             "layout needs two engines with a hand-off or a patched launcher; planned as if supported")
-    _summarize(result, topo)
+    _summarize(result, topo, packing)
     result.assumptions = plan_assumptions(model, topo, dtypes, fmt)
     return result
 
 
+def _stage_packing(model: ModelFacts, topo: Topology, staged) -> tuple[Packing, list[list[str]]]:
+    """vLLM groups the caches of the whole model (get_global_kv_cache_groups); each stage's
+    pool block holds the pages of its own caches. Replicas get names of their own."""
+    paging = PAGINGS[topo.paging]
+    specs, names = [], []
+    for s, ids, held, foreign, _ in staged:
+        own = [x for x in held if x.index in ids]
+        reps = [x for x in held if x.index not in ids]
+        mine = served_specs(own, model.family, paging)[1]
+        mine += served_specs(reps, model.family, paging, prefix=f"stage{s}.replica.")[1]
+        specs += mine
+        names.append([c.name for c in mine])
+    return pack(specs), names
+
+
 def _stage_plan(s: int, ids: range, topo: Topology, held: list[Layer], foreign: list[int],
-                weights: float) -> StagePlan:
-    in_flight = topo.pp * topo.max_num_batched_tokens  # VllmConfig.max_in_flight_tokens
-    reserve = topo.base_reserve_gib * GiB + sum(workspace_bytes(held, topo).values())
+                weights: float, packing: Packing, names: list[str]) -> StagePlan:
+    in_flight = in_flight_tokens(topo.max_num_batched_tokens, topo.pp)
+    reserve = topo.base_reserve_gib * GiB + workspace_bytes(held, topo)["total"]
     budget = max(topo.util * topo.gpu_mem_gib * GiB - weights - reserve, 0.0)
     per_token = stack_bytes_per_token(held)
-    request = paged_request_bytes(held, topo.max_model_len, in_flight)
+    block = packing.bytes_per_block(names)
+    blocks = packing.blocks_per_request(topo.max_model_len, in_flight)
+    num_blocks = int(budget // block) if block else 0
     tokens = int(budget // per_token) if per_token else 0
-    seqs = budget / request if request else 0.0
     return StagePlan(s, f"{ids.start}-{ids.stop - 1}", topo.tp[s], weights / GiB, reserve / GiB,
-                     budget / GiB, per_token, request, tokens, seqs, tuple(foreign))
+                     budget / GiB, per_token, block * blocks, tokens, num_blocks / blocks,
+                     tuple(foreign), block, num_blocks)
 
 
 def _cross_stage(result: Plan, topo: Topology, s: int, ids: range, foreign: list[int],
@@ -264,7 +264,7 @@ def _cross_stage(result: Plan, topo: Topology, s: int, ids: range, foreign: list
                            "the PP activations)")
 
 
-def _summarize(result: Plan, topo: Topology) -> None:
+def _summarize(result: Plan, topo: Topology, packing: Packing) -> None:
     for st in result.stages:
         if st.kv_budget_gib <= 0:
             result.fits = False
@@ -274,6 +274,21 @@ def _summarize(result: Plan, topo: Topology) -> None:
     result.kv_tokens = min(st.kv_tokens for st in result.stages)
     result.seqs = min(st.seqs for st in result.stages)
     result.reported_tokens = int(result.seqs * topo.max_model_len)
+    in_flight = in_flight_tokens(topo.max_num_batched_tokens, topo.pp)
+    widest = max(g.page_bytes() for g in packing.groups)
+    result.packing = {
+        "paging": topo.paging,
+        "groups": [{"kind": g.kind, "block_size": g.block_size, "caches": len(g.specs),
+                    "page_bytes": g.page_bytes(),
+                    "blocks_per_request": g.pages_per_request(topo.max_model_len, in_flight)}
+                   for g in packing.groups],
+        "bytes_per_block": packing.bytes_per_block(),
+        "blocks_per_request": packing.blocks_per_request(topo.max_model_len, in_flight)}
+    if packing.bytes_per_block() > 2 * widest:
+        result.warnings.append(
+            f"paging {topo.paging}: the pool block is {packing.bytes_per_block():,} B for a widest "
+            f"group of {widest:,} B (the LCM of the compressed caches' kernel-page strides, "
+            "packing.py); the V4.1 indexer-K backend's page differs from the compressed KV's")
 
 
 def plan_assumptions(model: ModelFacts, topo: Topology, dtypes: WeightDtypes,
@@ -290,15 +305,19 @@ def plan_assumptions(model: ModelFacts, topo: Topology, dtypes: WeightDtypes,
         "the whole stage's KV (max_tp_shards=1)",
         f"memory: {topo.gpu_mem_gib:g} GiB per GPU x gpu_memory_utilization {topo.util:g}, minus "
         f"weights, minus a {topo.base_reserve_gib:g} GiB base reserve (activations at "
-        f"{topo.max_num_batched_tokens} batched tokens, CUDA graphs, NCCL, CUDA context), minus the "
-        f"1M-context workspaces (workspace factor {factor}: indexer K-gather, sparse-MLA prefill, "
-        "512 MiB indexer logits)",
-        f"paging: {LOGICAL_BLOCK}-token logical blocks for compressed/indexer caches, SWA blocks of "
-        f"{SWA_BLOCK[model.family]}, alignment padding as upstream; per-request reservation at "
-        f"max_model_len {topo.max_model_len:,} with {topo.pp} x {topo.max_num_batched_tokens} in-flight "
-        "tokens for sliding windows (VllmConfig.max_in_flight_tokens)",
-        "kv_tokens = KV budget / marginal bytes per token (bottleneck stage); seqs = KV budget / "
-        "per-request reservation (vLLM's max concurrency); reported_tokens = int(seqs x max_model_len), "
+        f"{topo.max_num_batched_tokens} batched tokens, CUDA graphs, NCCL, CUDA context), minus "
+        "what the Ampere path reserves in the profile run (workspace.py: vLLM's workspace at its "
+        "largest request -- the prefill gather 4 x (L/ratio + window + batched tokens) x 1 KiB or "
+        f"the indexer K gather (factor {factor}) --, the cross-layer gather buffer and indexer-K rows, "
+        "the 512 MiB indexer logits; the decode scratch, decode logits and combined lists counted "
+        "as 0 until their formulas are in)",
+        f"paging {topo.paging} ({PAGINGS[topo.paging].note}): vLLM's block-outermost packing of "
+        f"the cache groups (packing.py), SWA blocks of {SWA_BLOCK[model.family]}; a request "
+        f"reserves its groups' blocks at max_model_len {topo.max_model_len:,} with "
+        f"{in_flight_tokens(topo.max_num_batched_tokens, topo.pp):,} in-flight tokens "
+        "(VllmConfig.max_in_flight_tokens: two batches with async scheduling, pp with PP)",
+        "kv_tokens = KV budget / marginal bytes per token (bottleneck stage); seqs = pool blocks / "
+        "blocks per request (vLLM's max concurrency); reported_tokens = int(seqs x max_model_len), "
         "the figure vLLM logs as 'GPU KV cache size'",
         "each pipeline stage sizes its own pool; the pipeline is limited by its worst stage",
     ]

@@ -57,9 +57,13 @@ FP32 = 4
 # --------------------------------------------------------------------------------------
 # V4 sparse MLA kernels take 256-token pages (models/deepseek_v4/sparse_mla.py:
 # get_supported_kernel_block_sizes -> [256]); the compressor comment "[256//4, head_dim]"
-# in models/deepseek_v4/compressor.py. V4.1 uses the same logical block here; its kernel
-# blocks are 128 tokens off SM90 (models/deepseek_v41/sparse_mla.py).
+# in models/deepseek_v4/compressor.py.
 LOGICAL_BLOCK = 256
+# V4.1's compressed and indexer caches: the block vLLM resolves off SM90, where upstream's
+# indexer-K backend declares 128-token pages (v1/attention/backends/mla/indexer.py,
+# DeepseekV41IndexerBackend) -- on the Ampere path with or without kv_page64 (packing.py
+# resolves it per serving path; 64 on SM90).
+V41_BLOCK = 128
 # Sliding-window pages: V4 uses DeepseekV4SWACache's default block_size=64
 # (v1/attention/backends/mla/sparse_swa.py); V4.1 passes block_size=32.
 SWA_BLOCK = {"v4": 64, "v41": 32}
