@@ -103,7 +103,9 @@ def page_buckets(layers: list[Layer]) -> dict[int, list[str]]:
 
 
 def paged_request_bytes(layers: list[Layer], max_len: int, in_flight_tokens: int) -> int:
-    """Bytes vLLM reserves per request at ``max_len`` (sum of max_memory_usage_bytes)."""
+    """Sum of the caches' own max_memory_usage_bytes at ``max_len``: the reservation without
+    the block-outermost packing, whose pool blocks are as wide as the widest cache group
+    (packing.py has vLLM's per-request blocks and reported tokens)."""
     return sum(c.paged_bytes_per_request(max_len, in_flight_tokens)
                for layer in layers for c in layer.caches)
 

@@ -57,7 +57,8 @@ class CacheKind:
         return round_up(raw, self.alignment) if self.alignment else raw
 
     def paged_bytes_per_request(self, max_len: int, in_flight_tokens: int) -> int:
-        """Per-request reservation as vLLM counts it (``max_memory_usage_bytes``):
+        """Per-request reservation of this cache alone (``max_memory_usage_bytes``; vLLM's
+        pool blocks pad it to the widest cache group, packing.py):
         full specs cdiv(max_len, block) pages; sliding windows
         cdiv(window - 1 + in_flight, block) + 1 pages; a ring one page
         (v1/kv_cache_interface.py: FullAttentionSpec, SlidingWindowSpec, CircularBufferSpec)."""
