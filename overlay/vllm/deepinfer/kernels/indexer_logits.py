@@ -77,17 +77,16 @@ class LogitsTile:
 #   per SM — decode 64 x 8192 53.4 us, prefill 815 us; the former 2 stages x 8 programs gave
 #   63.1 / 843 us, 3-4 stages 63-72 us, 4 programs per SM 66-70 us.
 # sm_80 compile gate: 125-165 registers per thread, 24 KiB shared memory.
-# * prefill rows per program (an experimental two-row kernel with this arithmetic, H200 run
-#   at c8b2c82; 128 rows x 1M keys, causal): two consecutive rows share each key tile (one
-#   load, one e4m3 decode, two dots) -- sm80 8067 -> 5157 us (273 -> 426 TFLOP/s, 61% of the
-#   run's 695 TFLOP/s bf16 matmul), sm90 5905 -> 3947 us (372 -> 557, 80%); 128 rows x 128K:
-#   945 -> 630 and 672 -> 494 us. The pair at 8 warps was slower and gave other bits than the
-#   one-row kernel; at 64 keys x 4 warps every row's logits are bit-equal to the one-row
-#   kernel's (and to the candidate kernel's, kernels/indexer_candidate_logits.py). The
-#   one-row grid of that run (h200-2026-12-01-indexer-logits-long-sweep-c8b2c82.jsonl) over
-#   tiles and stages found nothing better for decode
-#   (64 x 4, 1 stage: 16 x 1M keys in 1321 us sm80 / 1044 us sm90) and at most 1.13x for
-#   prefill (3 stages), below the pair's 1.5x.
+# * prefill rows per program (h200-2026-12-01-indexer-logits-rows-2be8c41.jsonl; 128 rows x
+#   1M keys, causal): two consecutive rows share each key tile (one load, one e4m3 decode,
+#   two dots) -- sm80 8069 -> 5018 us (273 -> 438 TFLOP/s, 63% of the run's 692 TFLOP/s bf16
+#   matmul), sm90 5925 -> 4039 us (371 -> 544, 79%); at 128 rows x 128K keys 937 -> 626 and
+#   668 -> 502 us; every row's logits bit-equal to the one-row kernel's (and so to the
+#   candidate kernel's, kernels/indexer_candidate_logits.py). An earlier two-row trial at 8
+#   warps was slower and gave other bits. The one-row grid over tiles and stages
+#   (h200-2026-12-01-indexer-logits-long-sweep-c8b2c82.jsonl: 64 or 128 keys, 4 or 8 warps,
+#   1-3 stages, 16 per SM) found nothing better for decode (64 x 4, 1 stage: 16 x 1M keys in
+#   1321 us sm80 / 1044 us sm90) and at most 1.13x for prefill (3 stages), below the pair's.
 FLAT_ROWS_PER_PROGRAM = 2
 _TILE = LogitsTile(block_n=64, num_warps=4, num_stages=1, programs_per_sm=16,
                    flat_rows=FLAT_ROWS_PER_PROGRAM)
