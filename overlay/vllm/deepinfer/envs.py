@@ -92,11 +92,13 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # (vllm.deepinfer.yoco): the layers compute the same thing either way, hence on
     # everywhere; 0 rebuilds it in every layer, as upstream does.
     Feature("yoco_reuse", _ALL, "cross-layer metadata reuse (YOCO) within one forward"),
-    # V4.1's compressed/indexer pages of 64 tokens on the Ampere path (upstream's SM90 page)
-    # instead of upstream's 128 off SM90, which vLLM's block packing padded to 12% more bytes
-    # per KV token (attention/ampere_v41.py, DeepinferAmpereV41MLASparseBackend). On
-    # everywhere the Ampere class runs: on SM90 it is upstream's own choice.
-    Feature("kv_page64", _ALL, "V4.1 compressed KV pages of 64 tokens on the Ampere path"),
+    # V4.1's compressed pages of 64 tokens on the Ampere path (upstream's SM90 page) instead
+    # of upstream's 128 off SM90 (attention/ampere_v41.py, DeepinferAmpereV41MLASparseBackend).
+    # Off by default: vLLM's own packing (tests/test_kv_planner_vllm.py, v41-tput) showed
+    # that with the compressed pages at 64 and the index-K pages still at upstream's 128 the
+    # pool block grows to the LCM of the two page sizes and the cache holds ~85% fewer
+    # tokens; =1 only together with 64-token index-K pages.
+    Feature("kv_page64", frozenset(), "V4.1 compressed KV pages of 64 tokens on the Ampere path"),
     # Upstream helpers the Ampere path launches but vLLM's JIT warmup does not know (the
     # dense -> ragged index conversion, V4.1's candidate-block selection): their per-batch
     # integers are unspecialized (patches 0003 and 0026) and their configurations compiled in the
