@@ -21,6 +21,12 @@ sys.path.insert(0, str(BUILD))
 
 import torch  # noqa: E402
 
+# The compile caches `make verify` fills (Makefile: DEEPINFER_CACHE), so a bare pytest run
+# after it reuses its Triton and TileLang builds; make exports the same values.
+_CACHE = Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer"))
+os.environ.setdefault("TRITON_CACHE_DIR", str(_CACHE / "triton"))
+os.environ.setdefault("TILELANG_CACHE_DIR", str(_CACHE / "tilelang"))
+
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
