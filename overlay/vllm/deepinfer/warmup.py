@@ -312,6 +312,21 @@ def _inverse_rope_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list
                       ir.NUM_WARPS, ir.NUM_STAGES)]
 
 
+def _ragged_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
+    """The Ampere decode's dense -> ragged conversion (attention/common.py,
+    kernels/ragged_indices.py): one configuration per kernel, every integer and the index
+    pointers' alignment unspecialized."""
+    from vllm.deepinfer.kernels import ragged_indices as ri
+    c = tuple(sorted(ri.gate_constexprs().items()))
+    return [WarmupKey(k, c, ri.NUM_WARPS, ri.NUM_STAGES) for k in ("ragged_count",
+                                                                   "ragged_compact")]
+
+
+def _ampere_attn_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
+    return (_inverse_rope_keys(shapes, variant, sm_count)
+            + _ragged_keys(shapes, variant, sm_count))
+
+
 def _serve_warmup_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     from vllm.deepinfer import warmup_upstream as wu
     keys = wu.ragged_keys(WarmupKey)
@@ -330,7 +345,7 @@ _KEYS: dict[str, Callable[[ModelShapes, str, int], list[WarmupKey]]] = {
     "indexer_logits": _indexer_logits_keys,
     "candidate_logits": _candidate_logits_keys,
     "fp8_sw": _writer_keys,
-    "ampere_attn": _inverse_rope_keys,
+    "ampere_attn": _ampere_attn_keys,
     "serve_warmup": _serve_warmup_keys,
 }
 
@@ -376,6 +391,10 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
                             "_compress_indexer_kernel", "_SIG"),
     "inverse_rope": ("vllm.deepinfer.kernels.inverse_rope", "_inverse_rope_rows_kernel",
                      "SIGNATURE"),
+    "ragged_count": ("vllm.deepinfer.kernels.ragged_indices", "_count_kernel",
+                     "COUNT_SIGNATURE"),
+    "ragged_compact": ("vllm.deepinfer.kernels.ragged_indices", "_compact_kernel",
+                       "COMPACT_SIGNATURE"),
 }
 
 

@@ -30,12 +30,14 @@ import torch
 
 from vllm.deepinfer import arch, reserve, routing, sorted_topk, yoco
 from vllm.deepinfer.kernels.inverse_rope import inverse_rope_rows_
+# Ours, not upstream's function of the same name: the same lists with int64 offsets, and a
+# host check where a batch's lists would pass what the decode's int32 indptr can address.
+from vllm.deepinfer.kernels.ragged_indices import build_ragged_indices_from_dense
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
 from vllm.v1.attention.ops.rocm_aiter_mla_sparse import (
     _get_cached_wo_a_bf16,
-    build_ragged_indices_from_dense,
     rocm_inv_rope_einsum,
     rocm_sparse_attn_decode,
     rocm_sparse_attn_prefill,
@@ -358,21 +360,24 @@ class AmpereAttentionMixin:
         """Returns how many leading rows came back inverse-RoPE'd."""
         # The ragged index lists the decode reads, built once per forward (yoco): the SWA
         # window's for every layer reading this SWA metadata, the global top-k's for a
-        # KV-sharing group (upstream's dense -> ragged conversion, which the decode would
-        # otherwise run in every layer).
+        # KV-sharing group (the dense -> ragged conversion, which the decode would otherwise
+        # run in every layer; ours: kernels/ragged_indices.py, int64 offsets where
+        # upstream's wrap at 262,144 tokens x 8,192 columns).
         fc = get_forward_context()
         swa_cache = self.swa_cache_layer.kv_cache
         swa_rows = swa_cache.shape[0] * swa_cache.shape[1]
         swa_ragged = yoco.reuse(fc, yoco.swa_ragged_key(swa_metadata, swa_rows), lambda: (
             build_ragged_indices_from_dense(swa_metadata.decode_swa_indices,
-                                            swa_metadata.decode_swa_lens, num_rows=swa_rows)))
+                                            swa_metadata.decode_swa_lens, num_rows=swa_rows,
+                                            name="decode_swa_indices")))
         topk_ragged = (None, None)
         if not swa_only:
             extra_rows = comp_cache.shape[0] * comp_cache.shape[1]
 
             def build_topk():
                 indices, lens = self._decode_topk(swa_metadata, comp_metadata)
-                return build_ragged_indices_from_dense(indices, lens, num_rows=extra_rows)
+                return build_ragged_indices_from_dense(indices, lens, num_rows=extra_rows,
+                                                       name="decode global top-k indices")
             key = self._yoco_decode_key(swa_metadata, comp_metadata)
             topk_ragged = yoco.reuse(fc, None if key is None else key + (extra_rows,),
                                      build_topk)

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from vllm.deepinfer import arch, envs
-from vllm.deepinfer.compile_gate import GateSpec, register
+from vllm.deepinfer.compile_gate import GateSpec, add_provider, register
 from vllm.deepinfer.fp8 import (cvt_e4m3_to_f32, e4m3_to_f32_e4b15, e4m3_to_f32_f16bits,
                                 ue8m0_to_f32)
 from vllm.deepinfer.kernels import shapes
@@ -948,6 +948,8 @@ GATE_SPLITS_P2 = 16
 
 
 def _register() -> None:
+    # The dense -> ragged conversion that builds the decode's lists (its own module).
+    add_provider("vllm.deepinfer.kernels.ragged_indices")
     for v in GATE_VARIANTS:
         t = TILES[v]
         for split in (False, True):

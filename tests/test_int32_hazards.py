@@ -1,0 +1,209 @@
+"""The Ampere path's remaining 32-bit and launch-size hazards, each with its fix.
+
+* Dense -> ragged index lists (kernels/ragged_indices.py, used by attention/common.py's
+  decode): upstream's ``build_ragged_indices_from_dense`` forms ``row * stride(0)`` in int32
+  and keeps an int32 ``indptr``: wrong lists from 262,144 decode tokens x 8,192 columns.
+  Ours gives upstream's bits wherever upstream's products fit, stays right with rows 2^31
+  elements apart (a boundary case per process, tests/int32_hazard_probe.py; upstream's is a
+  strict xfail: it crashes), and refuses a batch whose lists the decode's int32 ``indptr``
+  could not address, naming the tensor.
+* Launch size: CUDA takes at most 65,535 programs on grid axes y and z. The decode puts its
+  tokens there (attention kernel z, two-phase first phase and reduce y), the indexer logits
+  their rows (y). The launchers now run chunks of at most that many tokens / rows; with the
+  bound lowered by its module constant the chunked launches give the unchunked bits.
+* The decode's ``_ragged`` cast int64 lists to int32 unchecked: a slot of 2^32 + 3 became
+  slot 3. Out-of-range int64 slots are now dropped (skipped, as the decode skips any
+  invalid slot) and lists the int32 offsets cannot address are refused by name.
+* Upstream's ragged prefill (DEEPINFER_SPARSE_MLA_PREFILL=0) forms ``query * heads * 512``
+  in int32: routing.sparse_attn_prefill refuses such calls instead of letting upstream wrap.
+* pack_seq / unpack_seq on bytes (patch 0017): upstream's kernels form ``row * D`` in int32
+  (262,144 padded rows at D = 8,192). Patch 0017 runs them through upstream's own kernel, so
+  the fix is a patch change; kernels/pack_seq.py is the int64 kernel that change routes to,
+  tested here against upstream's kernels and at rows 2^31 elements apart.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import subproc
+import torch
+
+from vllm.deepinfer.kernels import ragged_indices as ri
+
+REPO = Path(__file__).resolve().parent.parent
+PROBE = REPO / "tests" / "int32_hazard_probe.py"
+INT32_MAX = 2 ** 31 - 1
+
+
+def _probe(device: str, *args: str) -> dict:
+    r = subproc.run([sys.executable, str(PROBE), *args, "--device", device], cap=300)
+    assert r.returncode == 0, (f"{' '.join(args)}: exit {r.returncode} (a negative code is "
+                               f"the signal that killed it)\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _upstream_built() -> bool:
+    return (REPO / "build" / "upstream_kernels" / "__init__.py").is_file()
+
+
+# ----------------------------------------------------------------------------- ragged lists
+def _upstream_ragged(indices, lengths, num_rows):
+    import int32_hazard_probe as hp
+    return hp.upstream_ragged(indices, lengths, num_rows)
+
+
+def _same_lists(ours, theirs):
+    (f0, p0), (f1, p1) = ours, theirs
+    assert p0.dtype == p1.dtype == torch.int32 and f0.dtype == f1.dtype == torch.int32
+    assert torch.equal(p0.cpu(), p1.cpu())
+    assert f0.shape == f1.shape  # R * W: the decode sizes its plan from numel()
+    n = int(p0[-1])
+    assert torch.equal(f0[:n].cpu(), f1[:n].cpu())
+
+
+def _dense(rows, width, seed, device, *, lo=-3, hi=600, dtype=torch.int32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, (rows, width), generator=g, dtype=dtype).to(device)
+
+
+@pytest.mark.parametrize("rows,width,lens,num_rows", [
+    (5, 128, [128, 7, 0, 200, 64], 500),      # a window row: full, short, empty, past W
+    (4, 1100, [1100, 1025, 1024, 3], 550),    # past one 1024-column step
+    (3, 16, [16, 5, -2], -1),                 # no KV bound: every value >= 0 kept
+    (6, 1, [1, 0, 1, 1, 5, 1], 300),
+    (2, 640, [640, 333], 0),                  # a bound of 0 rows keeps nothing
+])
+def test_ragged_matches_upstream_bits(upstream, device, rows, width, lens, num_rows):
+    dense = _dense(rows, width, rows * width, device)
+    lengths = torch.tensor(lens, dtype=torch.int32, device=device)
+    _same_lists(ri.build_ragged_indices_from_dense(dense, lengths, num_rows=num_rows),
+                _upstream_ragged(dense, lengths, num_rows))
+
+
+def test_ragged_matches_upstream_on_views_and_dtypes(upstream, device):
+    """[T, 1, W] rows (the SWA metadata's shape), a row slice of a wider buffer, int64
+    indices and lengths (values inside int32), lengths on another device."""
+    base = _dense(7, 300, 3, device)
+    lengths = torch.tensor([300, 10, 299, 0, 150, 1, 77], dtype=torch.int32, device=device)
+    cases = [(base.view(7, 1, 300), lengths), (base[:, :200], lengths.clamp(max=200)),
+             (base.long(), lengths.long()), (base, lengths.cpu())]
+    for dense, lens in cases:
+        _same_lists(ri.build_ragged_indices_from_dense(dense, lens, num_rows=590),
+                    _upstream_ragged(dense, lens, 590))
+
+
+def test_ragged_drops_int64_values_past_int32(upstream, device):
+    """Upstream casts int64 values to int32 before it filters them: 2^32 + 3 is kept as
+    slot 3. Ours drops what int32 cannot hold, and otherwise matches."""
+    dense = torch.tensor([[4, 2 ** 32 + 3, 9, -(2 ** 32) + 1, 2 ** 31]], dtype=torch.int64,
+                         device=device)
+    lens = torch.tensor([5], dtype=torch.int32, device=device)
+    flat, indptr = ri.build_ragged_indices_from_dense(dense, lens, num_rows=-1)
+    assert indptr.tolist() == [0, 2] and flat[:2].tolist() == [4, 9]
+    _, up_indptr = _upstream_ragged(dense, lens, -1)
+    assert up_indptr.tolist() == [0, 4]  # 2^32 + 3 -> 3 and -2^32 + 1 -> 1 are "valid" there
+
+
+def test_ragged_empty(device):
+    lens = torch.zeros(0, dtype=torch.int32, device=device)
+    flat, indptr = ri.build_ragged_indices_from_dense(
+        torch.zeros(0, 1, 128, dtype=torch.int32, device=device), lens, num_rows=10)
+    assert flat.numel() == 0 and indptr.tolist() == [0]
+    flat, indptr = ri.build_ragged_indices_from_dense(
+        torch.zeros(3, 0, dtype=torch.int32, device=device),
+        torch.ones(3, dtype=torch.int32, device=device))
+    assert flat.numel() == 0 and indptr.tolist() == [0, 0, 0, 0]
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("a kernel was launched for lists past the int32 bound")
+
+
+def test_ragged_refuses_lists_past_int32_naming_the_tensor(monkeypatch, device):
+    """262,144 decode tokens x 8,192 columns = 2^31 entries: one past what an int32 indptr
+    holds. Refused before any allocation or launch (stride-0 inputs: no memory)."""
+    monkeypatch.setattr(ri, "_count_kernel", _NoLaunch())
+    monkeypatch.setattr(ri, "_compact_kernel", _NoLaunch())
+    dense = torch.zeros(1, 1, dtype=torch.int32, device=device).expand(262144, 8192)
+    lens = torch.zeros(1, dtype=torch.int32, device=device).expand(262144)
+    with pytest.raises(ValueError, match=r"^decode_swa_indices: 262144 rows x 8192 columns = "
+                       r"2147483648 entries, more than the 2147483647"):
+        ri.build_ragged_indices_from_dense(dense, lens, num_rows=100, name="decode_swa_indices")
+    # One row fewer fits (checked only: the launch is refused by the stand-in above).
+    with pytest.raises(AssertionError, match="was launched"):
+        ri.build_ragged_indices_from_dense(dense[:262143], lens[:262143], num_rows=100)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d, l: (d.float(), l), r"^indices: dtype torch.float32"),
+    (lambda d, l: (d, l[:2]), r"^indices lengths: expected one length per row \(3\)"),
+])
+def test_ragged_validation_names_the_tensor(device, mutate, match):
+    args = mutate(_dense(3, 8, 1, device), torch.ones(3, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=match):
+        ri.build_ragged_indices_from_dense(*args)
+
+
+RAGGED_BOUNDARY = [
+    ("ragged", "ours"),
+    pytest.param("ragged", "upstream", marks=[
+        pytest.mark.xfail(strict=True, reason="upstream's ragged conversion offsets are int32"),
+        pytest.mark.skipif(not _upstream_built(), reason="build/upstream_kernels missing")]),
+]
+
+
+@pytest.mark.parametrize("case,variant", RAGGED_BOUNDARY)
+def test_ragged_rows_past_int32(device, case, variant):
+    r = _probe(device, case, variant)
+    assert r["prev_offset"] <= INT32_MAX < r["last_offset"], r
+    assert r["equal"], f"{case} {variant}: rows past 2^31 elements differ from the compact run"
+
+
+def test_ampere_decode_builds_lists_with_ours():
+    """attention/common.py takes build_ragged_indices_from_dense from our module, not from
+    upstream's rocm_aiter_mla_sparse, and calls it for both lists with a tensor name."""
+    src = (REPO / "overlay" / "vllm" / "deepinfer" / "attention" / "common.py").read_text()
+    tree = ast.parse(src)
+    sources = {a.asname or a.name: n.module for n in ast.walk(tree)
+               if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert sources["build_ragged_indices_from_dense"] == "vllm.deepinfer.kernels.ragged_indices"
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "build_ragged_indices_from_dense"]
+    assert len(calls) == 2 and all(any(k.arg == "name" for k in c.keywords) for c in calls)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="launches are recorded from the interpreter's kernels (CPU)")
+@pytest.mark.parametrize("variant,cc", [("sm80", 80), ("sm90", 90)])
+def test_ragged_launches_are_warmed(variant, cc):
+    """Every conversion the decode makes (SWA rows [T, 1, W] and top-k rows [T, K], the
+    lengths and rows sliced at odd tokens, KV bounds of any size) finds the key
+    vllm.deepinfer.warmup compiles for the ampere_attn feature: two keys in all."""
+    from launch_keys import describe, key_of, recording
+    from vllm.deepinfer import warmup as wu
+    warm = set()
+    for k in wu.keys(wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64),
+                     variant, features=["ampere_attn"]):
+        if k.kernel.startswith("ragged_"):
+            kern, _ = wu._kernel_and_signature(k.kernel)
+            args, ce = wu.warmup_args(k)
+            warm.add((kern.fn.__name__, key_of(kern, args, dict(ce, **wu.launch_options(k)), cc)))
+    assert {name for name, _ in warm} == {"_count_kernel", "_compact_kernel"} and len(warm) == 2
+    with recording(cc) as seen:
+        for tokens, width, start, kv_rows in [(1, 128, 0, 32 * 1001), (7, 128, 3, 64),
+                                              (64, 640, 1, 1 << 22), (3, 8320, 0, 17),
+                                              (513, 1, 5, 2 ** 31 - 1)]:
+            buf = torch.zeros(start + tokens, 1, width, dtype=torch.int32)
+            lens = torch.ones(start + tokens + 1, dtype=torch.int32)
+            ri.build_ragged_indices_from_dense(buf[start:], lens[start + 1:], num_rows=kv_rows)
+            ri.build_ragged_indices_from_dense(buf[start:, 0], lens[start:-1], num_rows=kv_rows)
+    assert seen and {k.fn.__name__ for k, _ in seen} == {"_count_kernel", "_compact_kernel"}
+    missing = sorted({describe(k, key) for k, key in seen if (k.fn.__name__, key) not in warm})
+    assert not missing, "\n".join(missing)
