@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import itertools
 import json
 import math
 import sys
@@ -207,3 +208,111 @@ def test_ragged_launches_are_warmed(variant, cc):
     assert seen and {k.fn.__name__ for k, _ in seen} == {"_count_kernel", "_compact_kernel"}
     missing = sorted({describe(k, key) for k, key in seen if (k.fn.__name__, key) not in warm})
     assert not missing, "\n".join(missing)
+
+
+# ----------------------------------------------------------------------------- decode launches
+def _decode_inputs(tokens, device, *, seed=3, heads=16, int64=False):
+    from vllm.deepinfer import kv_record
+    g = torch.Generator().manual_seed(seed)
+    D = kv_record.HEAD_DIM
+
+    def cache(blocks, bs):
+        n = blocks * bs
+        nope, scales, rope = kv_record.quantize_rows(torch.randn(n, D, generator=g))
+        c = kv_record.new_cache(blocks, bs)
+        kv_record.write_records(c, torch.arange(n), nope, scales, rope)
+        return c.to(device)
+
+    def lists(counts, rows):
+        idx = torch.randint(-1, rows, (sum(counts),), generator=g, dtype=torch.int32)
+        ptr = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32)
+        dt = torch.int64 if int64 else torch.int32
+        return idx.to(dt).to(device), ptr.to(dt).to(device)
+
+    main, extra = cache(2, 32), cache(2, 64)
+    mi, mp = lists([20, 3, 17, 0, 33][:tokens] + [9] * max(0, tokens - 5), 64)
+    ei, ep = lists([24, 40, 1, 16, 7][:tokens] + [5] * max(0, tokens - 5), 128)
+    q = torch.randn(tokens, heads, D, generator=g).to(torch.bfloat16).to(device)
+    sink = torch.randn(heads, generator=g).to(device)
+    pos = torch.randint(0, 1024, (tokens,), generator=g).to(device)
+    ang = torch.rand(1024, 32, generator=g) * 6.3
+    cs = torch.cat([ang.cos(), ang.sin()], dim=1).to(device)
+    return dict(q=q, main_cache=main, main_indices=mi, main_indptr=mp, sink=sink, extra=extra,
+                extra_indices=ei, extra_indptr=ep, pos=pos, cs=cs)
+
+
+def _decode(a, *, extra=True, inv_rope=True, splits=1, predequant=False, **kw):
+    from vllm.deepinfer.kernels import sparse_mla_decode as smd
+    from vllm.deepinfer.kv_record import HEAD_DIM, NOPE_DIM, ROPE_DIM
+    ex = dict(extra_cache=a["extra"], extra_indices=a["extra_indices"],
+              extra_indptr=a["extra_indptr"]) if extra else {}
+    rope = dict(inv_rope_positions=a["pos"], inv_rope_cos_sin_cache=a["cs"]) if inv_rope else {}
+    return smd.sparse_attn_decode(
+        a["q"], a["main_cache"], a["main_indices"], a["main_indptr"], 1.0 / math.sqrt(HEAD_DIM),
+        a["sink"], NOPE_DIM, ROPE_DIM, num_kv_splits=splits, predequant=predequant,
+        variant="cpu" if a["q"].device.type == "cpu" else "sm80", **ex, **rope, **kw)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16).cpu()
+
+
+@pytest.mark.parametrize("predequant,splits,extra,inv_rope", [
+    (False, 1, True, True), (False, 2, True, True), (True, 1, True, True),
+    (True, 2, False, True), (False, 1, False, False), (True, 1, True, False)])
+def test_decode_chunks_tokens_past_the_grid_bound(monkeypatch, device, predequant, splits,
+                                                  extra, inv_rope):
+    """GRID_TOKENS lowered to 2: five tokens run as chunks of 2, 2 and 1 (per-token views,
+    absolute index lists and workspace rows), same bits as one launch, in every path:
+    one and two phases, split (the reduce's rows too) or not, with and without the extra
+    list and the inverse RoPE, into a caller's ``out``."""
+    from vllm.deepinfer.kernels import sparse_mla_decode as smd
+    a = _decode_inputs(5, device)
+    kw = dict(predequant=predequant, splits=splits, extra=extra, inv_rope=inv_rope)
+    want = _decode(a, **kw)
+    launches = []
+    orig = smd._sparse_mla_decode_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return orig[grid]
+    monkeypatch.setattr(smd, "GRID_TOKENS", 2)
+    monkeypatch.setattr(smd, "_sparse_mla_decode_kernel", Counting())
+    out = torch.full_like(a["q"], 7.0)
+    got = _decode(a, out=out, **kw)
+    assert got is out and torch.equal(_bits(got), _bits(want))
+    assert [g[2] for g in launches] == [2, 2, 1]  # tokens on axis z, at most GRID_TOKENS
+
+
+def test_decode_grid_bound_is_cuda_limit():
+    from vllm.deepinfer.kernels import sparse_mla_decode as smd
+    assert smd.GRID_TOKENS <= 65535 and smd.GRID_TOKENS % 16 == 0
+    assert smd.GRID_TOKENS + 16 > 65535  # the largest such multiple
+
+
+def test_decode_drops_int64_slots_past_int32(device):
+    """A slot of 2^32 + 3 in an int64 list: the old cast made it slot 3 (a valid key);
+    now it is skipped, as -1 is."""
+    a = _decode_inputs(3, device, int64=True)
+    mi = a["main_indices"].clone()
+    mi[1] = 2 ** 32 + 3
+    as_skipped, as_three = mi.clone(), mi.clone()
+    as_skipped[1], as_three[1] = -1, 3
+    got = _decode(dict(a, main_indices=mi))
+    assert torch.equal(_bits(got), _bits(_decode(dict(a, main_indices=as_skipped))))
+    assert not torch.equal(_bits(got), _bits(_decode(dict(a, main_indices=as_three))))
+
+
+def test_decode_refuses_lists_past_int32_offsets(monkeypatch, device):
+    """Lists longer than the kernels' int32 offsets address are refused by name (the bound
+    lowered to 60 entries: main 73, extra 88)."""
+    from vllm.deepinfer.kernels import sparse_mla_decode as smd
+    assert smd.INDEX_LIMIT == INT32_MAX
+    a = _decode_inputs(5, device)
+    monkeypatch.setattr(smd, "INDEX_LIMIT", 60)
+    with pytest.raises(ValueError, match=r"^main_indices: 73 entries, more than the 60"):
+        _decode(a)
+    monkeypatch.setattr(smd, "INDEX_LIMIT", 150)  # each list fits, not both together
+    with pytest.raises(ValueError, match=r"^main_indices/extra_indices: 161 entries together"):
+        _decode(a, predequant=True)

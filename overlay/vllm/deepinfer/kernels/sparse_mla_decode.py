@@ -64,7 +64,8 @@ __all__ = ["sparse_attn_decode", "choose_num_splits", "launch_plan", "select_til
            "launch_tiles", "Tile", "TILES", "REDUCE_UNROLL", "GATE_VARIANTS",
            "PREDEQUANT_FEATURE", "PREDEQUANT_MIN_TOKENS", "PREDEQUANT_BLOCK_N",
            "PREDEQUANT_WARPS", "PREDEQUANT_PROGRAMS_PER_SM", "PREDEQUANT_DECODES",
-           "phase2_tile", "uses_gluon", "scratch_specs", "scratch_plan"]
+           "phase2_tile", "uses_gluon", "scratch_specs", "scratch_plan", "GRID_TOKENS",
+           "INDEX_LIMIT"]
 
 FEATURE = "sparse_mla_decode"
 # Softmax runs in the exp2 domain: scores and the sink are multiplied by log2(e) once.
@@ -76,6 +77,17 @@ NEG_LARGE = tl.constexpr(-3.4028234663852886e38)
 # Split partials the reduce kernel loads per round: 4 independent [8, 512] fp32 loads in
 # flight (32 registers each over 128 threads) instead of one dependent load per split.
 REDUCE_UNROLL = 4
+# Tokens per launch. CUDA allows at most 65,535 programs on grid axes y and z, and the decode
+# puts its tokens there (the attention kernel's z, the first phase's and the reduce's y): a
+# launch of more tokens (up to max_num_seqs x (1 + speculative tokens)) runs in chunks of at
+# most GRID_TOKENS, same plan (tile, heads per program, splits), same bits. 65,520 = 4,095 x
+# 16, the largest multiple of 16 within the limit: every chunk starts 16-byte aligned in the
+# per-token int32/int64 tensors (indptr, positions), so chunks run the kernels an unchunked
+# launch compiles (Triton specializes pointers on 16-byte alignment).
+GRID_TOKENS = 65520
+# Largest list the decode can address: indptr values and a two-phase row's first workspace
+# row (main_indptr[t] + extra_indptr[t]) are int32 in the kernels.
+INDEX_LIMIT = 2 ** 31 - 1
 # The two-phase path (Tile.predequant). Its switch for sm80/sm86/cpu: DEEPINFER_DECODE_PREDEQUANT.
 PREDEQUANT_FEATURE = "decode_predequant"
 # Decode tokens (rows of q) from which a software-e4m3 variant (sm80, sm86, cpu) takes its
@@ -582,11 +594,21 @@ def _check_cache(cache, name: str, device) -> None:
 
 
 def _ragged(indices, indptr, tokens: int, indices_name: str, indptr_name: str, device):
+    """The int32 lists the kernels read. int64 lists are narrowed safely: a slot outside
+    [0, 2^31 - 1] becomes -1 (skipped, as every invalid slot is; a plain cast would wrap
+    2^32 + 3 onto slot 3), and the indptr values, at most ``indices.numel()``, fit once the
+    list is within INDEX_LIMIT, which is checked here (no device sync either way)."""
     check_tensor(indices, indices_name, dtypes=INDEX_DTYPES, ndim=1, device=device)
     check_tensor(indptr, indptr_name, dtypes=INDEX_DTYPES, ndim=1, device=device)
     check(indptr.numel() == tokens + 1, indptr_name,
           lambda: f"expected {tokens + 1} entries (tokens + 1), got {indptr.numel()}")
-    return (indices.to(torch.int32).contiguous(), indptr.to(torch.int32).contiguous())
+    check(indices.numel() <= INDEX_LIMIT, indices_name,
+          lambda: f"{indices.numel()} entries, more than the {INDEX_LIMIT} the decode's int32 "
+          "list offsets can address")
+    if indices.dtype != torch.int32:
+        indices = torch.where((indices >= 0) & (indices <= 2 ** 31 - 1), indices,
+                              -1).to(torch.int32)
+    return indices.contiguous(), indptr.to(torch.int32).contiguous()
 
 
 _PREDEQUANT_VAR = envs.feature_variable(PREDEQUANT_FEATURE)
@@ -835,6 +857,9 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
     # upstream does. The two-phase rows: one per index entry of every token.
     rows = main_indices.numel() + (extra_indices.numel() if has_extra else 0)
     avg_keys = rows / tokens
+    check(not predequant or rows <= INDEX_LIMIT, "main_indices/extra_indices",
+          lambda: f"{rows} entries together, more than the {INDEX_LIMIT} the two-phase "
+          "decode's int32 workspace row offsets (main_indptr[t] + extra_indptr[t]) can address")
     block_h, num_kv_splits, specs = scratch_plan(name, tokens, heads, rows, arch.sm_count(dev),
                                                  num_kv_splits, need_out=out is None)
     bufs = _scratch(specs, workspace, dev)
@@ -842,18 +867,15 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
         out = bufs["out"]
     head_tiles = triton.cdiv(heads, block_h)
     split = num_kv_splits > 1
-    if split:
-        part_m, part_l, part_acc = bufs["part_m"], bufs["part_l"], bufs["part_acc"]
-    else:
-        part_m = part_l = part_acc = out  # unused: SPLIT=False stores no partials
-    sink_arg = attn_sink if has_sink else out
-    pos_arg = inv_rope_positions if inv_rope else main_indptr
-    cs_arg = inv_rope_cos_sin_cache if inv_rope else out
     cs_stride = inv_rope_cos_sin_cache.stride(0) if inv_rope else 0
+    main_rows = main_cache.shape[0] * main_cache.shape[1]
+    extra_rows = extra_cache.shape[0] * extra_cache.shape[1]
     # 16-byte vector loads of the records need 16-byte aligned rows: 576 * pos is, the page
     # base is when the cache pointer and the page stride are.
     aligned = all(c.data_ptr() % 16 == 0 and c.stride(0) % 16 == 0
                   for c in (main_cache, extra_cache))
+    qk_scale = float(scale) * LOG2E.value
+    gluon = uses_gluon(tile, heads)
 
     if predequant:
         # One bf16 row and one validity byte per (token, key): rows of token t start at
@@ -867,45 +889,67 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
         per_token = max(1, min(triton.cdiv(max(1, int(avg_keys)), tile.block_n),
                                triton.cdiv(PREDEQUANT_PROGRAMS_PER_SM * arch.sm_count(dev),
                                            tokens)))
-        _predequant_kernel[(per_token, tokens)](
-            main_cache, main_indices, main_indptr, extra_cache, extra_indices, extra_indptr,
-            ws, valid, main_cache.stride(0), extra_cache.stride(0),
-            main_cache.shape[0] * main_cache.shape[1],
-            extra_cache.shape[0] * extra_cache.shape[1],
-            HAS_EXTRA=has_extra, HW_FP8=v.hw_fp8, ALIGNED=aligned, MAIN_BS=main_cache.shape[1],
-            EXTRA_BS=extra_cache.shape[1], BLOCK_N=PREDEQUANT_BLOCK_N,
-            DECODE=PREDEQUANT_DECODES[tile.predequant_decode], num_warps=PREDEQUANT_WARPS,
-            num_stages=1)
-    else:
-        ws, valid = out, main_indptr  # unused: PREDEQUANT=False reads the records
-    if uses_gluon(tile, heads):
-        glk.attend_rows(
-            (head_tiles, num_kv_splits, tokens), q, ws, valid, main_indptr, extra_indptr,
-            sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg, cs_stride,
-            float(scale) * LOG2E.value, heads, num_kv_splits, has_extra=has_extra,
-            has_sink=has_sink, split=split, inv_rope=inv_rope and not split,
-            block_h=tile.gluon_heads)
-    else:
-        _sparse_mla_decode_kernel[(head_tiles, num_kv_splits, tokens)](
-            q, main_cache, main_indices, main_indptr, extra_cache, extra_indices, extra_indptr,
-            sink_arg, out, part_m, part_l, part_acc, pos_arg, cs_arg, ws, valid,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            main_cache.stride(0), extra_cache.stride(0),
-            main_cache.shape[0] * main_cache.shape[1], extra_cache.shape[0] * extra_cache.shape[1],
-            cs_stride,
-            float(scale) * LOG2E.value, heads, num_kv_splits,
-            HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split, INV_ROPE=inv_rope and not split,
-            HW_FP8=v.hw_fp8, DOT_FP32=arch.interpreting(), ALIGNED=aligned,
-            MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1], BLOCK_H=block_h, BLOCK_N=tile.block_n,
-            PREFETCH=tile.prefetch, PREDEQUANT=predequant, QK_HALVES=predequant and tile.qk_halves,
-            num_warps=tile.num_warps, num_stages=tile.num_stages)
-    if split:
-        rbh = tile.reduce_block_h
-        _sparse_mla_decode_reduce_kernel[(triton.cdiv(heads, rbh), tokens)](
-            part_m, part_l, part_acc, sink_arg, out, pos_arg, cs_arg,
-            out.stride(0), out.stride(1), cs_stride, heads, num_kv_splits,
-            HAS_SINK=has_sink, INV_ROPE=inv_rope, SPLITS_P2=triton.next_power_of_2(num_kv_splits),
-            UNROLL=REDUCE_UNROLL, BLOCK_H=rbh, num_warps=tile.reduce_warps)
+
+    def run(t0: int, t1: int) -> None:
+        """Tokens [t0, t1): every per-token tensor as that chunk's rows (the whole tensors
+        when the chunk is the launch); index lists, caches and the two-phase workspace
+        whole (indptr values and workspace rows are absolute)."""
+        whole = t0 == 0 and t1 == tokens
+        n = t1 - t0
+
+        def rows_of(t):
+            return t if whole else t[t0:t1]
+        mp = main_indptr if whole else main_indptr[t0:t1 + 1]
+        ep = extra_indptr if whole else extra_indptr[t0:t1 + 1]
+        qc, oc = rows_of(q), rows_of(out)
+        # Unused arguments get stand-ins of the dtypes the warmup compiles for
+        # (vllm.deepinfer.warmup._stand_ins): ``out`` for unsplit partials, a missing sink,
+        # the cos/sin cache without inverse RoPE and a one-phase launch's workspace rows;
+        # ``main_indptr`` for absent positions and validity bytes.
+        pm, pl, pa = ((rows_of(bufs["part_m"]), rows_of(bufs["part_l"]),
+                       rows_of(bufs["part_acc"])) if split else (oc, oc, oc))
+        sink_arg = attn_sink if has_sink else oc
+        pos_arg = rows_of(inv_rope_positions) if inv_rope else mp
+        cs_arg = inv_rope_cos_sin_cache if inv_rope else oc
+        ws_arg, valid_arg = (ws, valid) if predequant else (oc, mp)
+        if predequant:
+            _predequant_kernel[(per_token, n)](
+                main_cache, main_indices, mp, extra_cache, extra_indices, ep,
+                ws, valid, main_cache.stride(0), extra_cache.stride(0), main_rows, extra_rows,
+                HAS_EXTRA=has_extra, HW_FP8=v.hw_fp8, ALIGNED=aligned,
+                MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1],
+                BLOCK_N=PREDEQUANT_BLOCK_N, DECODE=PREDEQUANT_DECODES[tile.predequant_decode],
+                num_warps=PREDEQUANT_WARPS, num_stages=1)
+        if gluon:
+            glk.attend_rows(
+                (head_tiles, num_kv_splits, n), qc, ws_arg, valid_arg, mp, ep, sink_arg, oc,
+                pm, pl, pa, pos_arg, cs_arg, cs_stride, qk_scale, heads, num_kv_splits,
+                has_extra=has_extra, has_sink=has_sink, split=split,
+                inv_rope=inv_rope and not split, block_h=tile.gluon_heads)
+        else:
+            _sparse_mla_decode_kernel[(head_tiles, num_kv_splits, n)](
+                qc, main_cache, main_indices, mp, extra_cache, extra_indices, ep,
+                sink_arg, oc, pm, pl, pa, pos_arg, cs_arg, ws_arg, valid_arg,
+                qc.stride(0), qc.stride(1), oc.stride(0), oc.stride(1),
+                main_cache.stride(0), extra_cache.stride(0), main_rows, extra_rows, cs_stride,
+                qk_scale, heads, num_kv_splits,
+                HAS_EXTRA=has_extra, HAS_SINK=has_sink, SPLIT=split,
+                INV_ROPE=inv_rope and not split, HW_FP8=v.hw_fp8, DOT_FP32=arch.interpreting(),
+                ALIGNED=aligned, MAIN_BS=main_cache.shape[1], EXTRA_BS=extra_cache.shape[1],
+                BLOCK_H=block_h, BLOCK_N=tile.block_n, PREFETCH=tile.prefetch,
+                PREDEQUANT=predequant, QK_HALVES=predequant and tile.qk_halves,
+                num_warps=tile.num_warps, num_stages=tile.num_stages)
+        if split:
+            rbh = tile.reduce_block_h
+            _sparse_mla_decode_reduce_kernel[(triton.cdiv(heads, rbh), n)](
+                pm, pl, pa, sink_arg, oc, pos_arg, cs_arg,
+                oc.stride(0), oc.stride(1), cs_stride, heads, num_kv_splits,
+                HAS_SINK=has_sink, INV_ROPE=inv_rope,
+                SPLITS_P2=triton.next_power_of_2(num_kv_splits),
+                UNROLL=REDUCE_UNROLL, BLOCK_H=rbh, num_warps=tile.reduce_warps)
+
+    for t0 in range(0, tokens, GRID_TOKENS):
+        run(t0, min(tokens, t0 + GRID_TOKENS))
     return out
 
 
@@ -940,9 +984,12 @@ _REDUCE_SIG = {
 }
 # Variants the gate builds ("sm80" also covers sm_86; sm86's tile is sm80's).
 GATE_VARIANTS = ("sm80", "sm89", "sm90", "sm100")
-# Block sizes the gate builds with (constexpr in the kernel): the production SWA and SM80
-# compressed pages (64 on SM90; the tile's shared memory does not depend on it).
-GATE_SWA_PAGE, GATE_COMPRESSED_PAGE = shapes.SWA_PAGE, shapes.COMPRESSED_PAGE["sm80"]
+# Block sizes the gate builds with (constexpr in the kernel): the production SWA page and the
+# entries of a ratio-1 V4.1 compressed page as the Ampere path serves it (kv_page64: 64-token
+# pages, so 64 entries; 32 at ratio 2, 128 with DEEPINFER_KV_PAGE64=0: the warmup compiles
+# those; the tile's shared memory does not depend on it).
+GATE_SWA_PAGE = shapes.SWA_PAGE
+GATE_COMPRESSED_PAGE = shapes.compressed_entries(shapes.COMPRESSED_PAGE["sm80"], 1)
 # Split-count bucket the gate builds the reduce with (512 + 128 keys in 64-key tiles: <= 16).
 GATE_SPLITS_P2 = 16
 
