@@ -316,3 +316,120 @@ def test_decode_refuses_lists_past_int32_offsets(monkeypatch, device):
     monkeypatch.setattr(smd, "INDEX_LIMIT", 150)  # each list fits, not both together
     with pytest.raises(ValueError, match=r"^main_indices/extra_indices: 161 entries together"):
         _decode(a, predequant=True)
+
+
+# ----------------------------------------------------------------------------- indexer logits
+def _logits_inputs(device, batch, next_n, per_row, seed):
+    from vllm.deepinfer import kv_record
+    g = torch.Generator().manual_seed(seed)
+    heads, D, bs = 16, 128, 16
+    lens = [int(x) for x in torch.randint(next_n, 70, (batch,), generator=g)]
+    blocks = [-(-n // bs) for n in lens]
+    table = torch.zeros(batch, max(blocks), dtype=torch.int32)
+    perm = torch.randperm(sum(blocks) + 2, generator=g).to(torch.int32)
+    used = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = perm[used:used + n]
+        used += n
+    cache = torch.randint(0, 127, (sum(blocks) + 2, bs, kv_record.INDEX_RECORD_BYTES),
+                          generator=g, dtype=torch.int32).to(torch.uint8)
+    cache[:, :, D:] = torch.tensor([0, 0, 0x80, 0x3F], dtype=torch.uint8)  # scales 1.0
+    q = torch.randint(0, 127, (batch, next_n, heads, D), generator=g, dtype=torch.int32)
+    w = torch.randn(batch * next_n, heads, generator=g)
+    if per_row:
+        ctx = torch.tensor([[n - next_n + 1 + j for j in range(next_n)] for n in lens],
+                           dtype=torch.int32)
+    else:
+        ctx = torch.tensor(lens, dtype=torch.int32)
+    cand = torch.randint(-1, 6, (batch * next_n, 3), generator=g, dtype=torch.int32)
+    return dict(q=q.to(torch.uint8).view(torch.float8_e4m3fn).to(device), cache=cache.to(device),
+                w=w.to(device), ctx=ctx.to(device), table=table.to(device), width=max(lens) + 3,
+                cand=cand.to(device))
+
+
+def _flat_inputs(device, rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    heads, D, N = 16, 128, 90
+    ks = torch.randint(0, 40, (rows,), generator=g, dtype=torch.int32)
+    ke = ks + torch.randint(0, 50, (rows,), generator=g, dtype=torch.int32)
+    k = torch.randint(0, 127, (N, D), generator=g, dtype=torch.int32).to(torch.uint8)
+    q = torch.randint(0, 127, (rows, heads, D), generator=g, dtype=torch.int32).to(torch.uint8)
+    return dict(q=q.view(torch.float8_e4m3fn).to(device), k=k.view(torch.float8_e4m3fn).to(device),
+                ks_=torch.rand(N, generator=g).to(device), w=torch.randn(rows, heads, generator=g).to(device),
+                ks=ks.to(device), ke=ke.to(device), width=int((ke - ks).max()),
+                cand=torch.randint(-1, 8, (rows, 4), generator=g, dtype=torch.int32).to(device))
+
+
+def _count_launches(monkeypatch, module, names):
+    grids = []
+    for name in names:
+        orig = getattr(module, name)
+
+        class Counting:
+            def __getitem__(self, grid, orig=orig, name=name):
+                grids.append((name, grid))
+                return orig[grid]
+        monkeypatch.setattr(module, name, Counting())
+    return grids
+
+
+@pytest.mark.parametrize("form,next_n,per_row,candidates", [
+    ("paged", 1, False, False), ("paged", 2, False, False), ("paged", 2, True, False),
+    ("flat", 1, False, False), ("paged", 2, False, True), ("paged", 2, True, True),
+    ("flat", 1, False, True)])
+def test_logits_chunk_rows_past_the_grid_bound(monkeypatch, device, form, next_n, per_row,
+                                               candidates):
+    """GRID_ROWS lowered to 3: 7 paged requests / 7 prefill rows run as row chunks (whole
+    requests; the gathered form's row pairs kept), same bits as one launch, for the full
+    kernel and the candidate kernels, into a caller's ``out``."""
+    from vllm.deepinfer.kernels import indexer_candidate_logits as icl
+    from vllm.deepinfer.kernels import indexer_logits as il
+
+    def run(out):
+        if form == "paged":
+            a = _logits_inputs(device, 7, next_n, per_row, seed=next_n * 10 + per_row)
+            args = (a["q"], a["cache"], a["w"], a["ctx"], a["table"], a["width"])
+            if candidates:
+                return icl.candidate_paged_mqa_logits(*args, a["cand"], 8, variant="cpu",
+                                                      sm_count=1, out=out(a))
+            return il.paged_mqa_logits(*args, variant="cpu", sm_count=1, out=out(a))
+        a = _flat_inputs(device, 7, seed=5)
+        args = (a["q"], a["k"], a["ks_"], a["w"], a["ks"], a["ke"], a["width"])
+        if candidates:
+            return icl.candidate_mqa_logits(*args, a["cand"], 8, variant="cpu", sm_count=1,
+                                            out=out(a))
+        return il.mqa_logits(*args, variant="cpu", sm_count=1, out=out(a))
+
+    def filled(a):
+        rows = a["w"].shape[0]
+        return torch.full((rows, a["width"]), 3.5, device=device)
+    want = run(filled)
+    module, names = ((icl, ["_prepare_kernel", "_candidate_logits_kernel"]) if candidates
+                     else (il, ["_logits_kernel"]))
+    grids = _count_launches(monkeypatch, module, names)
+    monkeypatch.setattr(il, "GRID_ROWS", 3)
+    got = run(filled)
+    assert torch.equal(got.view(torch.int32).cpu(), want.view(torch.int32).cpu())
+    # Every row once, chunks of whole requests (paged) or row pairs (gathered form), each
+    # within the bound: 7 requests x next_n 2 in chunks of 2 rows (one request), 7 prefill
+    # rows in pairs as 6 + 1 rows (3 + 1 programs), single rows as 3 + 3 + 1.
+    rows = 7 * (next_n if form == "paged" else 1)
+    per_y = il.FLAT_ROWS_PER_PROGRAM if form == "flat" and not candidates else 1
+    step = {("paged", 1): 3, ("paged", 2): 2, ("flat", 1): 3 * per_y}[(form, next_n)]
+    want_y = [-(-min(step, rows - r0) // per_y) for r0 in range(0, rows, step)]
+    assert [g[1] for _, g in grids] == [y for y in want_y for _ in names]
+    assert all(g[0] == grids[0][1][0] for _, g in grids)  # the whole launch's programs per row
+
+
+def test_logits_row_chunks():
+    from vllm.deepinfer.kernels import indexer_logits as il
+    assert il.GRID_ROWS <= 65535 and il.GRID_ROWS % 16 == 0 and il.GRID_ROWS + 16 > 65535
+    assert il.row_chunks(65520, 1, 1) == [(0, 65520)]
+    assert il.row_chunks(131040, 2, 2) == [(0, 131040)]   # the gathered form: two per program
+    # 1M prefill rows in pairs: chunks of 131,040 rows (65,520 programs), 16-row multiples.
+    chunks = il.row_chunks(1 << 20, 2, 2)
+    assert chunks[0] == (0, 131040) and chunks[-1][1] == 1 << 20
+    assert all(r0 % 32 == 0 and -(-(r1 - r0) // 2) <= 65535 for r0, r1 in chunks)
+    # Decode, 3 rows per request: whole requests, 16 of them per step (65,520 = 1,365 x 48).
+    chunks = il.row_chunks(3 * 30000, 1, 3)
+    assert all(r0 % 48 == 0 and r1 - r0 <= 65535 and (r1 - r0) % 3 == 0 for r0, r1 in chunks)

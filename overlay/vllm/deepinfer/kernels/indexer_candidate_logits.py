@@ -276,22 +276,29 @@ def _launch(q, rows: int, heads: int, width: int, width_name: str, tensors, args
     tile = tile or il.TILES[v.name]
     sms = sm_count if sm_count is not None else arch.sm_count(q.device)
     # args: q, w, start, end, k, kscale, bt, bt_stride, page_stride, page, next_n
-    start, end, next_n = args[2], args[3], args[10]
+    next_n = args[10]
     n_cand = candidates.shape[1]
     ids = torch.empty(rows, n_cand, dtype=torch.int32, device=q.device)
     count = torch.empty(rows, dtype=torch.int32, device=q.device)
     fill_programs = max(1, min(triton.cdiv(width, FILL_BLOCK),
                                triton.cdiv(FILL_PROGRAMS_PER_SM * sms, rows)))
-    _prepare_kernel[(fill_programs, rows)](
-        out, out.stride(0), start, end, next_n, width, candidates, candidates.stride(0),
-        n_cand, block_size, ids, count, PAGED=paged, CTX_PER_ROW=per_row, BLOCK=FILL_BLOCK,
-        LIST=LIST_BLOCK, num_warps=FILL_WARPS)
-    grid = (il._programs(tile, rows, n_cand * block_size, q.device, sms), rows)
-    _candidate_logits_kernel[grid](
-        out, out.stride(0), *args, ids, count, n_cand, block_size, width, H=heads,
-        H_PAD=max(16, triton.next_power_of_2(heads)), D=HEAD_DIM, BLOCK_N=tile.block_n,
-        PAGED=paged, CTX_PER_ROW=per_row, HW_FP8=v.hw_fp8, E4B15=tile.e4b15,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    programs = il._programs(tile, rows, n_cand * block_size, q.device, sms)
+    # Rows on grid axis y in both kernels: chunks of at most il.GRID_ROWS rows (whole
+    # requests), each with the whole launch's programs per row: the same bits.
+    for r0, r1 in il.row_chunks(rows, 1, next_n if paged else 1):
+        whole = r1 - r0 == rows
+        a = args if whole else il.chunk_args(args, r0, r1, paged, next_n)
+        o, c, i, n = ((out, candidates, ids, count) if whole else
+                      (out[r0:r1], candidates[r0:r1], ids[r0:r1], count[r0:r1]))
+        _prepare_kernel[(fill_programs, r1 - r0)](
+            o, out.stride(0), a[2], a[3], next_n, width, c, candidates.stride(0), n_cand,
+            block_size, i, n, PAGED=paged, CTX_PER_ROW=per_row, BLOCK=FILL_BLOCK,
+            LIST=LIST_BLOCK, num_warps=FILL_WARPS)
+        _candidate_logits_kernel[(programs, r1 - r0)](
+            o, out.stride(0), *a, i, n, n_cand, block_size, width, H=heads,
+            H_PAD=max(16, triton.next_power_of_2(heads)), D=HEAD_DIM, BLOCK_N=tile.block_n,
+            PAGED=paged, CTX_PER_ROW=per_row, HW_FP8=v.hw_fp8, E4B15=tile.e4b15,
+            num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
 

@@ -51,7 +51,7 @@ from vllm.deepinfer.kv_record import INDEX_HEAD_DIM as HEAD_DIM  # 128-dim index
 from vllm.deepinfer.kv_record import INDEX_SCALE_BYTES as SCALE_BYTES  # one fp32 per key
 
 __all__ = ["mqa_logits", "paged_mqa_logits", "compile_constexprs", "LogitsTile", "TILES",
-           "HEAD_DIM", "FLAT_ROWS_PER_PROGRAM"]
+           "HEAD_DIM", "FLAT_ROWS_PER_PROGRAM", "GRID_ROWS", "row_chunks", "chunk_args"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +266,40 @@ def _logits_kernel(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr,
 
 # --------------------------------------------------------------------------- launchers
 _INDEX = (torch.int32,)
+# Programs per launch on grid axis y, where the rows are (one per program in the paged form,
+# FLAT_ROWS_PER_PROGRAM in the gathered one; the candidate kernels' rows too). CUDA allows at
+# most 65,535 there; a prefill chunk has up to max_num_batched_tokens rows (1,048,576), a
+# decode B x next_n. Launches of more run in row chunks (``row_chunks``), each with the
+# programs per row of the whole launch: the same bits. 65,520 = 4,095 x 16, the largest
+# multiple of 16 within the limit, so chunks start 16 rows apart and every per-row tensor's
+# chunk keeps the whole tensor's 16-byte alignment (the kernels compiled for the unchunked
+# launch serve them).
+GRID_ROWS = 65520
+
+
+def row_chunks(rows: int, rows_per_y: int, unit: int) -> list[tuple[int, int]]:
+    """[r0, r1) chunks of ``rows`` rows, each at most GRID_ROWS programs on y (``rows_per_y``
+    rows per program) and a multiple of ``unit`` rows (a request's next_n rows, a program's
+    row pair) — of 16 units where the bound allows; a single chunk when the launch fits."""
+    if triton.cdiv(rows, rows_per_y) <= GRID_ROWS:
+        return [(0, rows)]
+    most = GRID_ROWS * rows_per_y
+    step = most // (16 * unit) * 16 * unit or most // unit * unit
+    check(step > 0, "next_n", lambda: f"{unit} rows per request do not fit one launch's "
+          f"{GRID_ROWS} programs on grid axis y")
+    return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+
+
+def chunk_args(args: tuple, r0: int, r1: int, paged: bool, next_n: int) -> tuple:
+    """The launch arguments (q, w, start, end, k, k_scale, block table, bt_stride,
+    page_stride, block_size, next_n) of rows [r0, r1): per-row tensors sliced to the chunk,
+    per-request ones (paged: context lengths, block table, q's batch dim) to its requests;
+    keys and caches whole."""
+    q, w, start, end, k, kscale, bt, *rest = args
+    if paged:
+        b0, b1 = r0 // next_n, r1 // next_n
+        return (q[b0:b1], w[r0:r1], start[b0:b1], end[b0:b1], k, kscale, bt[b0:b1], *rest)
+    return (q[r0:r1], w[r0:r1], start[r0:r1], end[r0:r1], k, kscale, bt[r0:r1], *rest)
 
 
 def _as_codes(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -402,12 +436,16 @@ def _launch(q, rows: int, heads: int, width: int, width_name: str, tensors, args
     tile = tile or TILES[v.name]
     row_groups = 1 if paged else tile.flat_rows  # rows per program
     groups = triton.cdiv(rows, row_groups)
-    grid = (_programs(tile, groups, width, q.device, sm_count), groups)
-    _logits_kernel[grid](
-        out, out.stride(0), *args, rows, H=heads, H_PAD=max(16, triton.next_power_of_2(heads)),
-        D=HEAD_DIM, BLOCK_N=tile.block_n, PAGED=paged, CTX_PER_ROW=per_row, HW_FP8=v.hw_fp8,
-        E4B15=tile.e4b15, ROWS=row_groups, num_warps=tile.num_warps,
-        num_stages=tile.num_stages)
+    programs = _programs(tile, groups, width, q.device, sm_count)
+    next_n = args[10]
+    for r0, r1 in row_chunks(rows, row_groups, next_n if paged else row_groups):
+        whole = r1 - r0 == rows
+        _logits_kernel[(programs, triton.cdiv(r1 - r0, row_groups))](
+            out if whole else out[r0:r1], out.stride(0),
+            *(args if whole else chunk_args(args, r0, r1, paged, next_n)), r1 - r0, H=heads,
+            H_PAD=max(16, triton.next_power_of_2(heads)), D=HEAD_DIM, BLOCK_N=tile.block_n,
+            PAGED=paged, CTX_PER_ROW=per_row, HW_FP8=v.hw_fp8, E4B15=tile.e4b15,
+            ROWS=row_groups, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
 
 
