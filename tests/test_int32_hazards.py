@@ -433,3 +433,75 @@ def test_logits_row_chunks():
     # Decode, 3 rows per request: whole requests, 16 of them per step (65,520 = 1,365 x 48).
     chunks = il.row_chunks(3 * 30000, 1, 3)
     assert all(r0 % 48 == 0 and r1 - r0 <= 65535 and (r1 - r0) % 3 == 0 for r0, r1 in chunks)
+
+
+# ----------------------------------------------------------------------------- upstream prefill
+@pytest.fixture
+def prefill_off(monkeypatch):
+    from vllm.deepinfer import routing
+    monkeypatch.setenv("DEEPINFER_SPARSE_MLA_PREFILL", "0")
+    routing.reset()
+    yield routing
+    monkeypatch.delenv("DEEPINFER_SPARSE_MLA_PREFILL")
+    routing.reset()
+
+
+def _prefill_args(tokens, heads, *, width=640, ragged=False, dtype=torch.bfloat16):
+    """Shapes only (meta tensors: nothing is allocated): q/output [tokens, heads, 512], kv
+    [rows, 1, 512], dense indices [tokens, width] or a ragged list of tokens x width."""
+    meta = dict(device="meta")
+    q = torch.empty(tokens, heads, 512, dtype=dtype, **meta)
+    kv = torch.empty(4096, 1, 512, dtype=dtype, **meta)
+    idx = torch.empty(tokens, width, dtype=torch.int32, **meta)
+    lens = torch.empty(tokens, dtype=torch.int32, **meta)
+    out = torch.empty_like(q)
+    extra = dict(ragged_indices=idx.view(-1), ragged_indptr=torch.empty(
+        tokens + 1, dtype=torch.int32, **meta)) if ragged else {}
+    return (q, kv, None if ragged else idx, None if ragged else lens, 0.04, 512, 448, 64,
+            None, out), extra
+
+
+@pytest.mark.parametrize("tokens,heads,ragged", [(65537, 64, False), (32769, 128, True),
+                                                 (1 << 20, 64, True)])
+def test_upstream_prefill_refused_past_int32(prefill_off, tokens, heads, ragged):
+    """DEEPINFER_SPARSE_MLA_PREFILL=0 hands the call to upstream's kernel, whose
+    query x heads x 512 offsets wrap past 65,536 rows at 64 heads (row 65,536 starts at
+    2^31): refused, naming q and the bound and saying how to turn the feature back on."""
+    args, kw = _prefill_args(tokens, heads, ragged=ragged)
+    with pytest.raises(ValueError, match=r"^q: this sparse MLA prefill call reaches offset or "
+                       r"count \d+, past the 2147483647 .* because the sparse_mla_prefill feature "
+                       r"is off; turn it on \(DEEPINFER_SPARSE_MLA_PREFILL=1"):
+        prefill_off.sparse_attn_prefill(*args, **kw)
+
+
+@pytest.mark.parametrize("tokens,heads", [(65536, 64), (32768, 128), (1, 64)])
+def test_upstream_prefill_takes_calls_within_int32(prefill_off, tokens, heads):
+    """One row fewer: q's last element is at exactly 2^31 - 1; upstream's turn."""
+    args, kw = _prefill_args(tokens, heads, width=512)
+    assert prefill_off.sparse_attn_prefill(*args, **kw) is False
+
+
+def test_upstream_prefill_refuses_wide_index_lists(prefill_off):
+    """Within q's bound, but rows x width of the dense indices past int32 (upstream's
+    conversion and indptr): refused naming the indices."""
+    args, kw = _prefill_args(16384, 16, width=131072)
+    with pytest.raises(ValueError, match=r"^indices: this sparse MLA prefill call reaches "
+                       r"offset or count 2147483648"):
+        prefill_off.sparse_attn_prefill(*args, **kw)
+
+
+def test_uncovered_prefill_refused_past_int32(monkeypatch):
+    """Feature on, but a call ours does not cover (fp16) goes to upstream: refused too."""
+    from vllm.deepinfer import arch, routing
+    monkeypatch.delenv("DEEPINFER_SPARSE_MLA_PREFILL", raising=False)
+    monkeypatch.setenv("DEEPINFER_SPARSE_MLA_PREFILL", "1")
+    routing.reset()
+    try:
+        args, kw = _prefill_args(65537, 64, dtype=torch.float16)
+        with pytest.raises(ValueError, match=r"^q: .* because our prefill does not cover it"):
+            routing.sparse_attn_prefill(*args, **kw)
+        small, kw = _prefill_args(4, 64, dtype=torch.float16)
+        assert routing.sparse_attn_prefill(*small, **kw) is False
+    finally:
+        monkeypatch.delenv("DEEPINFER_SPARSE_MLA_PREFILL")
+        routing.reset()

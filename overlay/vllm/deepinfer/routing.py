@@ -142,18 +142,63 @@ def sparse_attn_decode(q, main_cache, main_indices, main_indptr, scale, attn_sin
                 workspace=reserve.decode_workspace())
 
 
+# Upstream's ragged prefill (``_sparse_attn_prefill_ragged_kernel``) and its dense -> ragged
+# conversion form their element offsets in int32: ``query * q.stride(0)`` (heads x 512), the
+# output's alike, ``row * indices.stride(0)`` and an int32 indptr over rows x width entries.
+_UPSTREAM_PREFILL_LIMIT = 2 ** 31 - 1
+
+
+def _last_offset(t: torch.Tensor) -> int:
+    """The element offset of ``t``'s last element from its first (its strides' reach)."""
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def _check_upstream_prefill(q, output, indices, ragged_indices, why: str, fix: str) -> None:
+    """Before upstream's ragged prefill takes a call (``why``: the reason it does): refuse,
+    naming the tensor, one whose int32 offsets would wrap (q's last element is 2^31 - 1 at
+    65,536 query rows x 64 heads x 512: from 65,537 rows, 32,769 at 128 heads), where
+    upstream would read and write outside its tensors. Dense indices count rows x width
+    (the largest value its int32 indptr can take), a ragged list its entries."""
+    from vllm.deepinfer.kernels.checks import fail
+    reach = [("q", _last_offset(q)), ("output", _last_offset(output))]
+    if ragged_indices is not None:
+        reach.append(("ragged_indices", ragged_indices.numel()))
+    elif indices is not None and indices.dim():
+        # Its conversion's row offsets, and the rows x width entries of its int32 indptr.
+        reach.append(("indices", max(_last_offset(indices), indices.numel())))
+    for name, n in reach:
+        if n > _UPSTREAM_PREFILL_LIMIT:
+            fail(name, f"this sparse MLA prefill call reaches offset or count {n}, past the "
+                 f"{_UPSTREAM_PREFILL_LIMIT} (2^31 - 1) of the int32 offsets of upstream's "
+                 f"ragged prefill kernel, which takes the call because {why}; {fix} or "
+                 "prefill fewer tokens per step (max_num_batched_tokens)")
+
+
 def sparse_attn_prefill(q, kv, indices, topk_length, scale, head_dim: int, nope_head_dim: int,
                         rope_head_dim: int, attn_sink, output, ragged_indices=None,
                         ragged_indptr=None) -> bool:
     """Patch 0003: upstream's ``rocm_sparse_attn_prefill`` asks here first. True: our
     prefill (``kernels.sparse_mla_prefill``) wrote ``output``; False: upstream's runs (ROCm,
-    the feature off, or a call outside what ours covers: non-bf16, not 448 + 64 dims)."""
-    if torch.version.hip is not None or not use("sparse_mla_prefill"):
+    the feature off, or a call outside what ours covers: non-bf16, not 448 + 64 dims).
+    On CUDA, a call upstream's kernel would address past int32 raises ``ValueError`` instead
+    of going to it (``_check_upstream_prefill``): it is refused, not routed to ours, since
+    the feature switch is an explicit request for upstream's kernel (A/B runs)."""
+    if torch.version.hip is not None:
+        return False
+    if not use("sparse_mla_prefill"):
+        _check_upstream_prefill(q, output, indices, ragged_indices,
+                                "the sparse_mla_prefill feature is off",
+                                "turn it on (DEEPINFER_SPARSE_MLA_PREFILL=1, or drop its =0 / "
+                                "DEEPINFER_DISABLE entry)")
         return False
     if kv.dim() != 3 or kv.shape[1] != 1 or head_dim != kv.shape[-1]:
         return False  # upstream's own assertions name these
     from vllm.deepinfer.kernels import sparse_mla_prefill as spm
     if not spm.covers(q, kv, output, nope_head_dim, rope_head_dim):
+        _check_upstream_prefill(q, output, indices, ragged_indices,
+                                "our prefill does not cover it",
+                                "give ours what it covers (bf16 q, kv and output, 448 + 64 "
+                                "dims)")
         return False
     if ragged_indices is not None and ragged_indptr is not None:
         spm.sparse_attn_prefill(q, kv, scale, attn_sink, nope_head_dim, rope_head_dim,
