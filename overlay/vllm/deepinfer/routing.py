@@ -18,6 +18,7 @@ logger = logging.getLogger("vllm.deepinfer")
 __all__ = ["use", "cutedsl_allowed", "reset", "kv_gather", "combine_topk_swa_indices",
            "sparse_attn_decode", "sparse_attn_prefill", "mqa_logits", "paged_mqa_logits",
            "candidate_mqa_logits", "candidate_paged_mqa_logits", "pack_fp8_as_bytes",
+           "pack_seq_fp8", "unpack_seq",
            "fp8_writers", "rope_quant_insert", "unspecialized", "indexer_k_norm_rope_store",
            "compress_norm_rope_store", "fused_inv_rope_fp8_quant", "fused_indexer_q_rope_quant",
            "CUTEDSL_MIN_CAPABILITY"]
@@ -299,6 +300,28 @@ def pack_fp8_as_bytes(x: torch.Tensor) -> bool:
     """Patch 0017: ``pack_seq_triton`` moves an e4m3 tensor as uint8 bytes (its fp8 load does
     not compile below sm_89)."""
     return x.dtype == torch.float8_e4m3fn and use("fp8_sw")
+
+
+# The byte pack above runs upstream's own kernel, whose row offsets are int32 (262,144 padded
+# rows at 64 heads x 128 bytes). These two entry points are for the change of patch 0017 that
+# routes pack_seq_triton's byte path and unpack_seq_triton to kernels.pack_seq (int64
+# offsets, upstream's bits): None where upstream's function keeps the call.
+def pack_seq_fp8(x: torch.Tensor, lengths: torch.Tensor):
+    """``pack_seq_triton`` of an e4m3 tensor on the Ampere path: ours, padded with 0 (+0.0),
+    as patch 0017's byte path pads; None elsewhere."""
+    if not pack_fp8_as_bytes(x):
+        return None
+    from vllm.deepinfer.kernels.pack_seq import pack_seq_bytes
+    return pack_seq_bytes(x, lengths, 0)
+
+
+def unpack_seq(packed: torch.Tensor, lengths: torch.Tensor):
+    """``unpack_seq_triton`` on the Ampere path (feature ``fp8_sw``): ours; None elsewhere."""
+    if torch.version.hip is not None or not use("fp8_sw") or packed.element_size() not in (
+            1, 2, 4, 8):
+        return None
+    from vllm.deepinfer.kernels.pack_seq import unpack_seq as ours
+    return ours(packed, lengths)
 
 
 # ----------------------------------------------------------------------------- fp8 writers

@@ -475,6 +475,8 @@ def compile_constexprs(variant: str, heads: int = shapes.V41.index_heads) -> lis
 def _register() -> None:
     # The candidate-block variant (its own module) builds on this kernel's helpers.
     compile_gate.add_provider("vllm.deepinfer.kernels.indexer_candidate_logits")
+    # The indexer's padded decode layout (pack of the e4m3 Q, unpack of the top-k rows).
+    compile_gate.add_provider("vllm.deepinfer.kernels.pack_seq")
     # V4.1/V4 indexers: 64 heads x 128 dims (compile_constexprs' default).
     for v in ("sm80", "sm90"):
         tile = TILES[v]
