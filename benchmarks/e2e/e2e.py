@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import subprocess
@@ -54,38 +53,16 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 import compare  # noqa: E402
+# The checkpoints and modes, the long step and the reference check live in their own modules;
+# their names are re-exported here (the tests use them as e2e.<name>).
+from e2e_models import AGREE_MODELS, MODELS, MODES, TPUT_MODEL  # noqa: E402
+from long_step import (  # noqa: E402,F401
+    LONG_AGREE_LEN, LONG_DECODE, LONG_FORMS, LONG_GPU_MEM, LONG_LENS, LONG_MODELS, LONG_MODES,
+    LONG_QUICK_DECODE, LONG_START_S, long_agreement_rows, long_command, long_jobs,
+    long_options, long_rows, long_run_timeout, long_runs, run_long, step_long)
+from refcheck import (  # noqa: E402,F401
+    METRICS, recheck, ref_out, reference_check, reference_rows)
 
-# (name, config folder, checkpoint format)
-MODELS = {
-    "v41-mini": ("v41-mini", "mxfp8"),
-    "v4-mini": ("v4-mini", "fp8"),
-    "v41-tput": ("v41-tput", "mxfp8"),
-    "v41-long": ("v41-long", "mxfp8"),
-    "v4-long": ("v4-long", "fp8"),
-}
-AGREE_MODELS = ("v41-mini", "v4-mini")
-TPUT_MODEL = "v41-tput"
-MODES = ("a100", "sm90", "upstream")
-# --steps long (step_long below): real-geometry long-context configs, served one engine per
-# (model, mode, form) with every prompt length in one start.
-LONG_MODELS = ("v41-long", "v4-long")
-LONG_MODES = ("a100", "upstream")
-LONG_FORMS = ("eager", "graphs")   # graphs: vLLM's default torch.compile + CUDA graphs
-# 1,048,000 rather than 1,048,576: the prompt plus the decode window of a batch of 4 (up to
-# 580 tokens at a chunk of 8,192, run.py long_max_tokens) stays within 1,048,576 + 1,024.
-LONG_LENS = (131072, 524288, 1048000)
-LONG_AGREE_LEN = 131072             # agreement (and the fp32 reference) at 128K
-# gpu_memory_utilization of a long engine: the bdbe637 runs served 1M prompts with 0.80; the
-# 20% outside it holds the prefill chunk's activations and the agreement request's prompt
-# logprobs (an 8,192 x 129,280 fp32 block per chunk).
-LONG_GPU_MEM = 0.80
-LONG_DECODE = 64                    # decode tokens timed per request
-LONG_QUICK_DECODE = 32              # --quick
-# Seconds a long engine may spend before its timed requests (load, profile run, KV
-# allocation, CUDA-graph capture, the warm-up): v41-tput's graph engines started in 149-342 s
-# (results e2e-4ab26c8, e2e-5f462a5, e2e-tput-5ddee71), the mini models' engines with vLLM's
-# JIT warmup in 11-116 s; about twice the slowest of each.
-LONG_START_S = {"eager": 300, "graphs": 720}
 # --steps yoco: reuse on against off, and the run-to-run floor (a second a100 run), all with
 # the indexer's top-k rows sorted (run.py's *_det modes): without that, two runs of one
 # engine already differ (docs/yoco.md). Pairs of the unsorted modes from earlier runs in the
@@ -175,7 +152,7 @@ def make_checkpoints(work: Path, names, dense: bool) -> None:
 
 def _out(work: Path, name: str, mode: str, form: str) -> Path:
     if form.startswith("reference"):
-        return _ref_out(work, name, form.endswith("kvfp8"))
+        return ref_out(work, name, form.endswith("kvfp8"))
     if form == "nocompile":
         return work / f"{name}-{mode}-nocompile.json"
     return work / f"{name}-{mode}-agree-{form}.json"
@@ -196,13 +173,9 @@ def run_job(work: Path, name: str, mode: str, form: str, extra=(), lens=None) ->
     return out if rc == 0 and out.exists() else None
 
 
-def _ref_out(work: Path, name: str, kv_fp8: bool) -> Path:
-    return work / f"{name}-ref{'-kvfp8' if kv_fp8 else ''}.json"
-
-
 def run_reference(work: Path, name: str, kv_fp8: bool, lens=None) -> Path | None:
     cfg, fmt = MODELS[name]
-    out = _ref_out(work, name, kv_fp8)
+    out = ref_out(work, name, kv_fp8)
     cmd = [sys.executable, str(HERE / "reference.py"), "--model", str(work / f"{name}-{fmt}"),
            "--device", "cuda", "--out", str(out)]
     if lens:
@@ -249,266 +222,8 @@ def run_mode(work: Path, name: str, mode: str, task: str, eager: bool, extra=())
     return out if rc == 0 and out.exists() else None
 
 
-# --------------------------------------------------------------------------- step long
-@functools.lru_cache(maxsize=None)
-def _run_module():
-    """benchmarks/e2e/run.py by path (a bare `import run` can find benchmarks/run.py): its
-    long_plan and timeouts plan the long step's engines."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("e2e_run_long", HERE / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _csv(text: str, known, what: str, ap, conv=str) -> list:
-    vals = [conv(v) for v in text.split(",") if v.strip()]
-    if known is not None:
-        bad = sorted(set(map(str, vals)) - set(map(str, known)))
-        if bad:
-            ap.error(f"--{what}: unknown {', '.join(bad)}; known: {', '.join(map(str, known))}")
-    return vals
-
-
-def long_options(args, ap) -> dict:
-    """The long step's selection from the flags: models, modes, forms, prompt lengths, the
-    lengths served as a batch of 4, the agreement length, the profiled length, decode tokens.
-    --quick: the batch of 4 at the shortest length only and LONG_QUICK_DECODE decode tokens."""
-    lens = sorted(_csv(args.long_lens, None, "long-lens", ap, int))
-    if not lens or min(lens) <= 0:
-        ap.error("--long-lens: give positive prompt lengths, comma-separated")
-    if args.long_b4_lens is None:
-        b4 = lens[:1] if args.quick else lens
-    else:
-        b4 = _csv(args.long_b4_lens, lens, "long-b4-lens", ap, int)
-    profile = max(lens) if args.long_profile_len is None else args.long_profile_len
-    if profile and profile not in lens:
-        ap.error(f"--long-profile-len {profile} is not one of --long-lens")
-    return dict(models=_csv(args.long_models, LONG_MODELS, "long-models", ap),
-                modes=_csv(args.long_modes, MODES, "long-modes", ap),
-                forms=_csv(args.long_forms, LONG_FORMS, "long-forms", ap),
-                lens=lens, b4_lens=sorted(b4), agree_len=args.long_agree_len,
-                profile_len=profile,
-                decode_tokens=LONG_QUICK_DECODE if args.quick else LONG_DECODE,
-                request_timeout=args.long_request_timeout)
-
-
-def long_jobs(opts: dict) -> list[tuple[str, str, str]]:
-    """(model, mode, form) of every long-context engine, in priority order (a --deadline
-    drops the tail): eager before CUDA graphs (a graph engine first spends minutes compiling),
-    then model, then mode, in the order given."""
-    return [(n, m, f) for f in opts["forms"] for n in opts["models"] for m in opts["modes"]]
-
-
-def _long_out(work: Path, name: str, mode: str, form: str) -> Path:
-    return work / f"{name}-{mode}-long-{form}.json"
-
-
-def _long_tag(stem: str):
-    """(model, mode, form) of a long output's file stem, None for other files."""
-    parts = stem.rsplit("-", 3)
-    if len(parts) == 4 and parts[2] == "long" and parts[0] in MODELS and parts[3] in LONG_FORMS:
-        return parts[0], parts[1], parts[3]
-    return None
-
-
-def long_command(work: Path, name: str, mode: str, form: str, opts: dict) -> list[str]:
-    cfg, fmt = MODELS[name]
-    cmd = [sys.executable, str(HERE / "run.py"), "--model", str(work / f"{name}-{fmt}"),
-           "--mode", mode, "--task", "long", "--out", str(_long_out(work, name, mode, form)),
-           "--long-lens", *map(str, opts["lens"]), "--b4-lens", *map(str, opts["b4_lens"]),
-           "--agree-len", str(opts["agree_len"]), "--profile-len", str(opts["profile_len"]),
-           "--decode-tokens", str(opts["decode_tokens"]), "--gpu-mem", str(LONG_GPU_MEM)]
-    if opts["request_timeout"]:
-        cmd += ["--request-timeout", str(opts["request_timeout"])]
-    if form == "eager":
-        cmd.append("--eager")
-    return cmd
-
-
-def long_run_timeout(form: str, opts: dict) -> float:
-    """The process limit of one long engine: start-up, warm-up, and every planned request's
-    own limit (run.py request_timeout)."""
-    run = _run_module()
-    plan = run.long_plan(opts["lens"], opts["b4_lens"], opts["agree_len"],
-                         opts["decode_tokens"], run.LONG_CHUNK)
-    return LONG_START_S[form] + sum(
-        run.request_timeout(r["prompt_len"] * r["batch"], opts["request_timeout"])
-        for r in plan)
-
-
-def run_long(work: Path, name: str, mode: str, form: str, opts: dict) -> tuple[int, Path]:
-    """One long-context engine (run.py --task long). Its output is read whatever the exit
-    status: run.py rewrites it after every request, so a run stopped by its limit or the
-    deadline (rc 124) still leaves the requests it finished."""
-    out = _long_out(work, name, mode, form)
-    rc = sh(long_command(work, name, mode, form, opts), work / f"{out.stem}.log",
-            timeout=long_run_timeout(form, opts))
-    return rc, out
-
-
-def step_long(work: Path, opts: dict, rerun: bool = False) -> list[str]:
-    """--steps long: the engines of long_jobs one after another, each alone on the GPU (its
-    timings are its own). An engine whose output exists is not served again unless ``rerun``.
-    Returns the engines that did not finish, each with what of it is on disk."""
-    not_done = []
-    for name, mode, form in long_jobs(opts):
-        tag = f"{name}/{mode}/long-{form}"
-        out = _long_out(work, name, mode, form)
-        have = _load(out) if out.exists() else None
-        if have is not None and not rerun:
-            if not have.get("complete"):
-                not_done.append(f"{tag} (partial output kept: {_long_progress(have)}; "
-                                "--long-rerun serves it again)")
-            continue
-        rc, out = run_long(work, name, mode, form, opts)
-        r = _load(out) if out.exists() else None
-        if rc != 0 or r is None or not r.get("complete"):
-            not_done.append(f"{tag} (rc {rc}; {_long_progress(r)})")
-    return not_done
-
-
 def _fmt(v, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
-
-
-def _long_progress(r) -> str:
-    if not r:
-        return "no output"
-    planned = [q for q in r.get("plan", []) if q["kind"] == "timed"]
-    return f"{len(r.get('rows', []))} of {len(planned)} timed requests on disk"
-
-
-def _load(p: Path):
-    try:
-        return json.load(open(p))
-    except (OSError, ValueError):
-        return None
-
-
-def long_runs(work: Path) -> dict:
-    """Every long output in the work folder, earlier invocations' too: (model, mode, form) ->
-    run.py's result (partial ones included, "complete": false)."""
-    out = {}
-    for f in sorted(work.glob("*-long-*.json")):
-        tag = _long_tag(f.stem)
-        r = _load(f) if tag else None
-        if r is not None:
-            out[tag] = r
-    return out
-
-
-def long_rows(runs: dict) -> list[dict]:
-    """Rows kernel="long_context" (per request: a prefill row, TTFT and prefill tokens/s, and a
-    decode row, decode tokens/s at that context on engine steps) and kernel="long_context_stage"
-    (the profiled prefill, one row per stage and one for the GPU's idle time)."""
-    rows = []
-    for (name, mode, form), r in runs.items():
-        kv = r.get("kv") or {}
-        common = dict(variant=mode, kv_tokens=kv.get("kv_tokens"),
-                      kv_available_gib=kv.get("available_gib"),
-                      kv_num_gpu_blocks=kv.get("num_gpu_blocks"),
-                      kv_block_size=kv.get("block_size"),
-                      kv_max_concurrency=kv.get("kv_max_concurrency"),
-                      max_model_len=r.get("max_model_len"), chunk=r.get("chunk"),
-                      max_num_seqs=r.get("max_num_seqs"),
-                      gpu_memory_utilization=r.get("gpu_memory_utilization"),
-                      load_seconds=r.get("load_seconds"), run_complete=r.get("complete", False))
-        for q in r.get("rows", []):
-            shape = lambda phase: dict(model=name, prompt_len=q["prompt_len"],  # noqa: E731
-                                       batch=q["batch"], phase=phase,
-                                       cuda_graphs=form == "graphs")
-            mem = dict(peak_gib=q.get("peak_allocated_gib"),
-                       peak_reserved_gib=q.get("peak_reserved_gib"),
-                       device_used_gib=q.get("device_used_gib"))
-            rows.append(dict(kernel="long_context", shape=shape("prefill"), **common,
-                             ttft_s=q.get("ttft_s"), ttft_last_s=q.get("ttft_last_s"),
-                             tokens_per_s=q.get("prefill_tokens_per_s"),
-                             tokens=q.get("prompt_tokens"), **mem,
-                             profiled=q.get("profiled", False), error=q.get("error"),
-                             timing="wall clock from arrival to first token; tokens/s: all "
-                                    "prompt tokens over the batch's last TTFT"))
-            rows.append(dict(kernel="long_context", shape=shape("decode"), **common,
-                             ttft_s=q.get("ttft_s"), tokens_per_s=q.get("decode_tokens_per_s"),
-                             tokens=q.get("decode_tokens"), seconds=q.get("decode_seconds"),
-                             **mem, error=q.get("error"),
-                             timing="engine steps after the last prefill"))
-        st = r.get("stages")
-        if st:
-            base = dict(model=name, prompt_len=st["prompt_len"], batch=st["batch"],
-                        phase="prefill", cuda_graphs=form == "graphs")
-            tot = st.get("kernel_s") or 0.0
-            sc = dict(variant=mode, wall_s=st.get("wall_s"), kernel_s=tot,
-                      busy_s=st.get("busy_s"), kernels=st.get("kernels"),
-                      parse_s=st.get("parse_s"), complete=st.get("complete"))
-            for stage in _run_module().STAGES:
-                sec = st["stages"].get(stage, 0.0)
-                rows.append(dict(kernel="long_context_stage", shape=dict(base, stage=stage),
-                                 seconds=sec, share=sec / tot if tot else None, **sc,
-                                 top_kernels=[k for k in st.get("top_kernels", [])
-                                              if k[1] == stage],
-                                 what="CUDA kernel seconds (summed over streams)"))
-            idle = st.get("idle_s")
-            rows.append(dict(kernel="long_context_stage", shape=dict(base, stage="gpu_idle"),
-                             seconds=idle, share=(idle / st["wall_s"]) if idle is not None
-                             and st.get("wall_s") else None, **sc,
-                             what="wall time with no kernel running (host gaps)"))
-    return rows
-
-
-def _last_positions(ref: dict, n: int, first: int, count: int):
-    """The reference's prompt rows of the length-``n`` prompt for positions ``first`` ..
-    ``first + count - 1`` (its rows start at position 1), as one agree-layout prompt."""
-    for p in ref.get("prompts", []):
-        if p["prompt_len"] == n:
-            rows = p["prompt"][first - 1:first - 1 + count]
-            if len(rows) == count:
-                return dict(prompt_len=n, prompt=rows, generated=[])
-    return None
-
-
-def long_agreement_rows(work: Path, runs: dict) -> list[dict]:
-    """The long engines' agreement prompts (the last positions of one prompt of
-    --long-agree-len tokens): each pair of modes (kernel="e2e_agreement"), each run against the
-    fp32 reference when --steps long_reference wrote one (kernel="e2e_vs_fp32_reference"), and
-    per model the project's rule (kernel="e2e_reference_check", reference_check)."""
-    rows = []
-    for name in LONG_MODELS:
-        got = {(m, f): r["agree"] for (n, m, f), r in runs.items() if n == name and r.get("agree")}
-        if not got:
-            continue
-        a0 = next(iter(got.values()))["prompts"][0]
-        n, first, count = a0["prompt_len"], a0["first_position"], len(a0["prompt"])
-        pos = dict(prompt_lens=[n], positions=[first, n - 1])
-        for form in LONG_FORMS:
-            for a, b in (("a100", "upstream"), ("sm90", "upstream"), ("a100", "sm90")):
-                if (a, form) in got and (b, form) in got:
-                    p = compare.pair(got[(a, form)], got[(b, form)])
-                    rows.append(dict(kernel="e2e_agreement", variant=f"{a}_vs_{b}",
-                                     shape=dict(model=name, cuda_graphs=form == "graphs", **pos),
-                                     top1_agree=p["top1_agree"],
-                                     max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
-        ref = _load(_ref_out(work, name, False))
-        want = _last_positions(ref, n, first, count) if ref else None
-        if want is None:
-            continue
-        ref_run = dict(ref, prompts=[want])
-        dist = {}
-        for (mode, form), a in got.items():
-            ap = a["prompts"][0]
-            if (ap["prompt_len"], ap["first_position"], len(ap["prompt"])) != (n, first, count):
-                continue
-            p = compare.pair(a, ref_run)
-            dist[(mode, form == "eager")] = p
-            rows.append(dict(kernel="e2e_vs_fp32_reference", variant=mode,
-                             shape=dict(model=name, cuda_graphs=form == "graphs",
-                                        reference=ref["mode"], **pos),
-                             top1_agree=p["top1_agree"], max_abs_dlogprob=p["max_abs_dlogprob"],
-                             mean_abs_dlogprob=p["mean_abs_dlogprob"], detail=p))
-        check = reference_check(dist, dict(model=name, reference=ref["mode"], **pos))
-        if check:
-            rows.append(check)
-    return rows
 
 
 def main() -> int:
@@ -631,11 +346,11 @@ def main() -> int:
             if not p:
                 not_done.append(f"{TPUT_MODEL}/{m}/tput")
     if "long" in steps:
-        not_done += step_long(work, long_opts, args.long_rerun)
+        not_done += step_long(work, long_opts, args.long_rerun, sh=sh)
     if "long_reference" in steps and long_opts["agree_len"]:
         # After the engines, alone on the GPU: the fp32 reference of the agreement prompt.
         for n in long_opts["models"]:
-            if not _ref_out(work, n, False).exists() and not run_reference(
+            if not ref_out(work, n, False).exists() and not run_reference(
                     work, n, False, [long_opts["agree_len"]]):
                 not_done.append(f"{n}/fp32/reference")
     # Results from every run in the work folder, earlier invocations' too (so the steps can
@@ -662,107 +377,6 @@ def _split_tag(stem: str):
 
 def _meta(sample: dict) -> dict:
     return {k: sample.get(k) for k in ("gpu", "torch", "triton", "vllm", "commit")}
-
-
-def _restrict(run: dict, lens) -> dict:
-    """``run`` with only the prompts whose length is in ``lens`` (a reference that did not
-    cover every prompt is compared on the ones it did)."""
-    return dict(run, prompts=[p for p in run["prompts"] if p["prompt_len"] in lens])
-
-
-METRICS = ("top1_agree", "max_abs_dlogprob", "mean_abs_dlogprob")
-
-
-def _no_further(a: dict, up: dict, margin: dict) -> bool:
-    """``a`` no further from the reference than ``up``, within ``margin`` (per metric)."""
-    return (a["top1_agree"] >= up["top1_agree"] - margin["top1_agree"]
-            and a["max_abs_dlogprob"] <= up["max_abs_dlogprob"] + margin["max_abs_dlogprob"]
-            and a["mean_abs_dlogprob"] <= up["mean_abs_dlogprob"] + margin["mean_abs_dlogprob"])
-
-
-def _runs_mean(ps: list[dict]) -> dict:
-    return {k: sum(p[k] for p in ps) / len(ps) for k in METRICS}
-
-
-def _spread(ps: list[dict]) -> dict:
-    return {k: max(p[k] for p in ps) - min(p[k] for p in ps) for k in METRICS}
-
-
-def reference_rows(work: Path, runs: dict) -> list[dict]:
-    """Each run against the fp32 reference, and per model the check the issue states: the
-    a100 mode is no further from the reference than upstream's path.
-
-    Each engine is judged by the mean of its runs (eager and CUDA graphs, those present) and
-    the margin is the spread between upstream's own runs: the engines are not deterministic
-    run to run (upstream's top-k kernels order their output by atomics; docs/e2e.md), so one
-    run is one draw, and a difference within what upstream shows against itself is not a
-    finding. (a100's own spread is reported, not used: a noisier a100 gets no wider margin.) ``passed_eager_only`` keeps the first form of
-    the rule (a100 eager against upstream eager, margin upstream's own spread) beside it."""
-    rows = []
-    for name in AGREE_MODELS:
-        for kv_fp8 in (False, True):
-            f = _ref_out(work, name, kv_fp8)
-            if not f.exists():
-                continue
-            ref = json.load(open(f))
-            lens = {p["prompt_len"] for p in ref["prompts"]}
-            got = {}
-            for (n, mode, eager), r in runs.items():
-                if n != name or mode not in MODES:
-                    continue
-                p = compare.pair(_restrict(r, lens), ref)
-                got[(mode, eager)] = p
-                rows.append(dict(kernel="e2e_vs_fp32_reference", variant=mode,
-                                 shape=dict(model=name, cuda_graphs=not eager,
-                                            reference=ref["mode"], prompt_lens=sorted(lens)),
-                                 top1_agree=p["top1_agree"],
-                                 max_abs_dlogprob=p["max_abs_dlogprob"],
-                                 mean_abs_dlogprob=p["mean_abs_dlogprob"], detail=p))
-            check = reference_check(got, dict(model=name, reference=ref["mode"],
-                                              prompt_lens=sorted(lens)))
-            if check:
-                rows.append(check)
-    return rows
-
-
-def reference_check(got: dict, shape: dict) -> dict | None:
-    """The e2e_reference_check row from each run's distance to one reference: ``got`` maps
-    (mode, eager) to a dict with METRICS."""
-    a_runs = [got[("a100", e)] for e in (True, False) if ("a100", e) in got]
-    up_runs = [got[("upstream", e)] for e in (True, False) if ("upstream", e) in got]
-    if not (a_runs and up_runs):
-        return None
-    a, up = _runs_mean(a_runs), _runs_mean(up_runs)
-    spread_a, spread_up = _spread(a_runs), _spread(up_runs)
-    eager_only = None
-    if ("a100", True) in got and ("upstream", True) in got:
-        eager_only = _no_further(got[("a100", True)], got[("upstream", True)], spread_up)
-    return dict(kernel="e2e_reference_check", variant="a100_vs_upstream", shape=shape,
-                passed=_no_further(a, up, spread_up), a100=a, upstream=up,
-                a100_runs=len(a_runs), upstream_runs=len(up_runs),
-                a100_spread=spread_a, upstream_spread=spread_up, margin=spread_up,
-                passed_eager_only=eager_only,
-                rule="a100 no further from the reference than upstream, each the mean of its "
-                     "eager and CUDA-graph runs, within the spread of upstream's own runs")
-
-
-def recheck(results: Path) -> list[dict]:
-    """The reference check applied anew to the ``e2e_vs_fp32_reference`` rows of an earlier
-    results file (its runs' distances to each reference), e.g. after the rule changed."""
-    rows = json.load(open(results))["rows"]
-    groups: dict[tuple, dict] = {}
-    for r in rows:
-        if r["kernel"] != "e2e_vs_fp32_reference":
-            continue
-        s = r["shape"]
-        g = groups.setdefault((s["model"], s["reference"], tuple(s["prompt_lens"])), {})
-        g[(r["variant"], not s["cuda_graphs"])] = {k: r[k] for k in METRICS}
-    out = []
-    for (model, ref, lens), got in groups.items():
-        check = reference_check(got, dict(model=model, reference=ref, prompt_lens=list(lens)))
-        if check:
-            out.append(dict(check, source=Path(results).name))
-    return out
 
 
 def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
