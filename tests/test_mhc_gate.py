@@ -5,7 +5,9 @@ and no sm_90-only instruction; the gate itself rejects PDL code and oversized sh
 
 Runs the gate in a subprocess on the patched vLLM tree (CUDA_VISIBLE_DEVICES="",
 PYTHONPATH=build/patched), sharing TileLang's build cache with ``make gate-mhc``
-(build/tilelang-cache), so after ``make verify`` this costs seconds.
+(``TILELANG_CACHE_DIR``: ``$DEEPINFER_CACHE/tilelang``, by default
+~/.cache/deepinfer/tilelang, set by the Makefile and tests/conftest.py), so after
+``make verify`` this costs seconds.
 """
 from __future__ import annotations
 

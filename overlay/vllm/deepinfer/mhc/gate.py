@@ -24,7 +24,9 @@ asserts so).
 ``--set ci`` (``make gate-mhc``) compiles a representative set (``_ci_targets``: every
 kernel function in every code-changing form at hidden 5120 for both targets, the
 hidden-dividing geometries of 4096/7168 for sm_80); ``--set full`` compiles every key of
-every hidden size for both targets. TileLang caches builds in ``TILELANG_CACHE_DIR`` (build/tilelang-cache): a second
+every hidden size for both targets. TileLang caches builds in ``TILELANG_CACHE_DIR``
+(``make`` and tests/conftest.py set ``$DEEPINFER_CACHE/tilelang``, by default
+~/.cache/deepinfer/tilelang; left unset, the gate uses build/tilelang-cache): a second
 run costs seconds. Needs vLLM's source tree importable (build/patched: the pinned sdist with
 the series applied), TileLang 0.1.12 and nvcc.
 """
@@ -188,8 +190,9 @@ def cases(tk, wu, hidden_sizes=HIDDEN_SIZES, tokens=TOKENS) -> list[GateCase]:
 # one at the shared-memory budget) for both targets and its smaller tiles for sm_80; at 4096
 # and 7168 the geometries that divide hidden (fused post + pre, FMA prenorm GEMM) for
 # sm_80. About 3 CPU-minutes from an empty cache (each build lowers through TileLang and
-# runs nvcc; the epilogues take 25-60 s each), under one from build/tilelang-cache. ``--set full`` compiles every
-# key for both targets (about 200 builds).
+# runs nvcc; the epilogues take 25-60 s each), under one from a filled TileLang cache
+# (``TILELANG_CACHE_DIR``: ~/.cache/deepinfer/tilelang under ``make``). ``--set full``
+# compiles every key for both targets (about 200 builds).
 CI_HIDDEN = 5120
 CI_OTHER_HIDDEN_KERNELS = ("_MHC_FUSED_TILELANG_KERNEL", "_HC_PRENORM_GEMM_TILELANG_KERNEL")
 
