@@ -2,7 +2,7 @@
 
 * Dense -> ragged index lists (kernels/ragged_indices.py, used by attention/common.py's
   decode): upstream's ``build_ragged_indices_from_dense`` forms ``row * stride(0)`` in int32
-  and keeps an int32 ``indptr``: wrong lists from 262,144 decode tokens x 8,192 columns.
+  and keeps an int32 ``indptr``: wrong lists past 262,144 decode tokens x 8,192 columns.
   Ours gives upstream's bits wherever upstream's products fit, stays right with rows 2^31
   elements apart (a boundary case per process, tests/int32_hazard_probe.py; upstream's is a
   strict xfail: it crashes), and refuses a batch whose lists the decode's int32 ``indptr``
@@ -17,14 +17,16 @@
 * Upstream's ragged prefill (DEEPINFER_SPARSE_MLA_PREFILL=0) forms ``query * heads * 512``
   in int32: routing.sparse_attn_prefill refuses such calls instead of letting upstream wrap.
 * pack_seq / unpack_seq on bytes (patch 0017): upstream's kernels form ``row * D`` in int32
-  (262,144 padded rows at D = 8,192). Patch 0017 runs them through upstream's own kernel, so
-  the fix is a patch change; kernels/pack_seq.py is the int64 kernel that change routes to,
-  tested here against upstream's kernels and at rows 2^31 elements apart.
+  (past 262,144 padded rows at D = 8,192). Patch 0017 runs them through upstream's own
+  kernel, so the fix is a patch change; kernels/pack_seq.py is the int64 kernel that change
+  routes to, tested here against upstream's kernels and at rows 2^31 elements apart.
+
+The tests marked ``gpu`` launch just past the real bound (65,537 decode tokens, 65,537 paged
+and 131,075 gathered logits rows) on a CUDA device; on a CPU they are skipped.
 """
 from __future__ import annotations
 
 import ast
-import importlib
 import itertools
 import json
 import math
@@ -319,6 +321,9 @@ def test_decode_refuses_lists_past_int32_offsets(monkeypatch, device):
 
 
 # ----------------------------------------------------------------------------- indexer logits
+_VARIANT = {"cpu": "cpu", "cuda": "sm80"}  # the interpreter's row, or the Ampere kernels
+
+
 def _logits_inputs(device, batch, next_n, per_row, seed):
     from vllm.deepinfer import kv_record
     g = torch.Generator().manual_seed(seed)
@@ -354,8 +359,10 @@ def _flat_inputs(device, rows, seed):
     ke = ks + torch.randint(0, 50, (rows,), generator=g, dtype=torch.int32)
     k = torch.randint(0, 127, (N, D), generator=g, dtype=torch.int32).to(torch.uint8)
     q = torch.randint(0, 127, (rows, heads, D), generator=g, dtype=torch.int32).to(torch.uint8)
-    return dict(q=q.view(torch.float8_e4m3fn).to(device), k=k.view(torch.float8_e4m3fn).to(device),
-                ks_=torch.rand(N, generator=g).to(device), w=torch.randn(rows, heads, generator=g).to(device),
+    e4m3 = torch.float8_e4m3fn
+    return dict(q=q.view(e4m3).to(device), k=k.view(e4m3).to(device),
+                ks_=torch.rand(N, generator=g).to(device),
+                w=torch.randn(rows, heads, generator=g).to(device),
                 ks=ks.to(device), ke=ke.to(device), width=int((ke - ks).max()),
                 cand=torch.randint(-1, 8, (rows, 4), generator=g, dtype=torch.int32).to(device))
 
@@ -385,20 +392,20 @@ def test_logits_chunk_rows_past_the_grid_bound(monkeypatch, device, form, next_n
     from vllm.deepinfer.kernels import indexer_candidate_logits as icl
     from vllm.deepinfer.kernels import indexer_logits as il
 
+    kw = dict(variant=_VARIANT[device], sm_count=1)
+
     def run(out):
         if form == "paged":
             a = _logits_inputs(device, 7, next_n, per_row, seed=next_n * 10 + per_row)
             args = (a["q"], a["cache"], a["w"], a["ctx"], a["table"], a["width"])
             if candidates:
-                return icl.candidate_paged_mqa_logits(*args, a["cand"], 8, variant="cpu",
-                                                      sm_count=1, out=out(a))
-            return il.paged_mqa_logits(*args, variant="cpu", sm_count=1, out=out(a))
+                return icl.candidate_paged_mqa_logits(*args, a["cand"], 8, out=out(a), **kw)
+            return il.paged_mqa_logits(*args, out=out(a), **kw)
         a = _flat_inputs(device, 7, seed=5)
         args = (a["q"], a["k"], a["ks_"], a["w"], a["ks"], a["ke"], a["width"])
         if candidates:
-            return icl.candidate_mqa_logits(*args, a["cand"], 8, variant="cpu", sm_count=1,
-                                            out=out(a))
-        return il.mqa_logits(*args, variant="cpu", sm_count=1, out=out(a))
+            return icl.candidate_mqa_logits(*args, a["cand"], 8, out=out(a), **kw)
+        return il.mqa_logits(*args, out=out(a), **kw)
 
     def filled(a):
         rows = a["w"].shape[0]
@@ -492,8 +499,7 @@ def test_upstream_prefill_refuses_wide_index_lists(prefill_off):
 
 def test_uncovered_prefill_refused_past_int32(monkeypatch):
     """Feature on, but a call ours does not cover (fp16) goes to upstream: refused too."""
-    from vllm.deepinfer import arch, routing
-    monkeypatch.delenv("DEEPINFER_SPARSE_MLA_PREFILL", raising=False)
+    from vllm.deepinfer import routing
     monkeypatch.setenv("DEEPINFER_SPARSE_MLA_PREFILL", "1")
     routing.reset()
     try:
@@ -645,3 +651,64 @@ def test_routing_pack_and_unpack(monkeypatch, device):
     finally:
         monkeypatch.delenv("DEEPINFER_FP8_SW", raising=False)
         routing.reset()
+
+
+# ----------------------------------------------------------------------------- on a GPU
+# The real bound: CUDA refuses a launch of more than 65,535 programs on grid y or z
+# ("invalid argument", seen on the H200 before the chunking). These launch just past it.
+@pytest.mark.gpu
+@pytest.mark.parametrize("predequant", [False, True])
+def test_gpu_decode_past_65535_tokens(predequant):
+    """65,537 decode tokens x 16 heads in one call: it launches (chunks of GRID_TOKENS) and
+    every row equals the same tokens decoded in two calls that each fit one launch."""
+    from vllm.deepinfer.kernels import sparse_mla_decode as smd
+    tokens = 65537
+    a = _decode_inputs(5, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    per = 6
+    a["main_indices"] = torch.randint(-1, 64, (tokens * per,), generator=g, device="cuda",
+                                      dtype=torch.int32)
+    a["main_indptr"] = torch.arange(0, tokens * per + 1, per, dtype=torch.int32, device="cuda")
+    a["q"] = torch.randn(tokens, 16, 512, generator=g, device="cuda").to(torch.bfloat16)
+    a["pos"] = torch.randint(0, 1024, (tokens,), generator=g, device="cuda")
+    got = _decode(a, extra=False, predequant=predequant, splits=1)
+    cut = smd.GRID_TOKENS - 16  # a split point that is not the chunk boundary
+    parts = []
+    for lo, hi in ((0, cut), (cut, tokens)):
+        part = dict(a, q=a["q"][lo:hi], pos=a["pos"][lo:hi],
+                    main_indptr=a["main_indptr"][lo:hi + 1])
+        parts.append(_decode(part, extra=False, predequant=predequant, splits=1))
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(got), _bits(torch.cat(parts)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["paged", "flat"])
+def test_gpu_logits_past_65535_rows(form):
+    """65,537 paged rows (one per request) / 131,075 gathered rows (65,538 row pairs) in one
+    call: it launches and equals the rows computed in two calls that each fit one launch."""
+    from vllm.deepinfer.kernels import indexer_logits as il
+    kw = dict(variant="sm80", sm_count=132)
+    if form == "paged":
+        a = _logits_inputs("cuda", 65537, 1, False, seed=1)
+        rows, fn = 65537, il.paged_mqa_logits
+
+        def args(lo, hi):
+            return (a["q"][lo:hi], a["cache"], a["w"][lo:hi], a["ctx"][lo:hi],
+                    a["table"][lo:hi], a["width"])
+    else:
+        a = _flat_inputs("cuda", 131075, seed=2)
+        rows, fn = 131075, il.mqa_logits
+
+        def args(lo, hi):
+            return (a["q"][lo:hi], a["k"], a["ks_"], a["w"][lo:hi], a["ks"][lo:hi],
+                    a["ke"][lo:hi], a["width"])
+
+    def fill(n):
+        return torch.full((n, a["width"]), 3.5, device="cuda")
+    got = fn(*args(0, rows), out=fill(rows), **kw)
+    cut = 40000
+    want = torch.cat([fn(*args(0, cut), out=fill(cut), **kw),
+                      fn(*args(cut, rows), out=fill(rows - cut), **kw)])
+    torch.cuda.synchronize()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

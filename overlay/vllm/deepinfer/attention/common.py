@@ -362,7 +362,7 @@ class AmpereAttentionMixin:
         # window's for every layer reading this SWA metadata, the global top-k's for a
         # KV-sharing group (the dense -> ragged conversion, which the decode would otherwise
         # run in every layer; ours: kernels/ragged_indices.py, int64 offsets where
-        # upstream's wrap at 262,144 tokens x 8,192 columns).
+        # upstream's wrap past 262,144 tokens x 8,192 columns).
         fc = get_forward_context()
         swa_cache = self.swa_cache_layer.kv_cache
         swa_rows = swa_cache.shape[0] * swa_cache.shape[1]

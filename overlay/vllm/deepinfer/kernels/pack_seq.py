@@ -6,8 +6,8 @@ e4m3 decode Q per request into [B, Lmax, heads, 128] with ``pack_seq_triton`` an
 the top-k rows with ``unpack_seq_triton`` (v1/attention/ops/common.py). Patch 0017 runs the
 pack on the e4m3 bytes where fp8e4nv cannot compile, through upstream's own kernel, which
 forms ``row * D`` in int32 (``in_row * D``, ``(b * Lmax + t) * D``): with D = 64 heads x 128
-bytes it passes 2^31 - 1 from 262,144 padded rows, and the unpack of [B, Lmax, top-k] int32
-alike from 2^31 / top-k rows. These two functions are written from the layout:
+bytes it passes 2^31 - 1 past 262,144 padded rows, and the unpack of [B, Lmax, top-k] int32
+alike past 2^31 / top-k rows. These two functions are written from the layout:
 
     pack:   out[b, t] = x[start_b + t] for t < len_b, pad for len_b <= t < Lmax,
             start_b = len_0 + ... + len_{b-1}, Lmax = max(len), out [B, Lmax, *x.shape[1:]];

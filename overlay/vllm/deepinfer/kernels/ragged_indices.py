@@ -5,8 +5,10 @@ slots and, in compressed layers, its global top-k slots as ragged lists: one fla
 of the valid slots of every token, back to back, and an int32 ``indptr``. Upstream builds
 them with ``build_ragged_indices_from_dense`` (v1/attention/ops/rocm_aiter_mla_sparse.py),
 whose two kernels form ``row * stride(0)`` in int32 and whose ``indptr`` is int32: at
-262,144 decode tokens x 8,192 columns the products pass 2^31 - 1 and the lists come out wrong
-without an error. This module is our conversion, written from its contract:
+262,144 decode tokens x 8,192 columns a full batch's count is 2^31, past the indptr, and from
+the next row on the row offsets pass 2^31 - 1 (sooner for a row slice of a wider buffer); the
+lists come out wrong without an error. This module is our conversion, written from its
+contract:
 
     indices [R, W] (trailing dims flattened, as upstream's ``reshape(R, -1)``), lengths [R]
     (any int dtype, on any device; moved to the indices' device as int32), num_rows:
