@@ -288,6 +288,17 @@ def reserve_indexer_logits(limits: Limits, width: int, device: torch.device) -> 
     return spec_bytes(specs)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` name one GPU when the current device is 0 (torch.device
+    equality compares the index, which a bare ``cuda`` lacks)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return a.index == b.index
+    cur = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
+
+
 def indexer_decode_logits(rows: int, width: int, device: torch.device) -> torch.Tensor | None:
     """The ``out=`` of a served ``indexer_logits.paged_mqa_logits`` call: a [rows, width]
     fp32 view of vLLM's workspace, or None without a workspace manager (the launcher then
@@ -299,7 +310,7 @@ def indexer_decode_logits(rows: int, width: int, device: torch.device) -> torch.
         return None
     views = _views(mgr, indexer_logits_specs(rows, width), "indexer decode logits")
     out = views[1]
-    if out.device != device:
+    if not _same_device(out.device, torch.device(device)):
         raise ReservationError(f"indexer decode logits: vLLM's workspace is on {out.device}, "
                                f"the query on {device}")
     return out
