@@ -2,10 +2,12 @@
 planning, run on CPU by tests/vllm_probe_kvplan.py in a subprocess (the PATCHED tree,
 ``CUDA_VISIBLE_DEVICES=""``; vLLM is never imported into this process): for every served
 long-context config under benchmarks/e2e/configs (v41-tput, v41-long, v4-long) and every
-serving path (the Ampere V4.1 path with 128-token pages as before 7f9e907, with the tree's
-kv_page64, with the indexer at 64 too, upstream's classes on SM90), the same block size,
-cache specs, cache groups, pool block, blocks per request and reported KV tokens; and vLLM's
-own functions against the figures the H200 logged at bdbe637.
+serving path (the Ampere V4.1 path with 128-token pages as before 7f9e907 (kv_page64 off),
+the tree's path (kv_page64 on: compressed-KV and index-K pages of 64 tokens), the same with
+the index-K pages forced back to 128 as from 7f9e907 to 8213d15, upstream's classes on SM90),
+the same block size, cache specs, cache groups, pool block, blocks per request and reported
+KV tokens; vLLM's own functions against the figures the H200 logged at bdbe637; and the
+tree's layout against upstream's SM90 one.
 
 Skips like tests/test_vllm_import.py when the patched tree or vLLM's import dependencies
 are missing or the tree is older than overlay/ (``make patched``); fails instead with
@@ -28,8 +30,9 @@ PROBE = Path(__file__).with_name("vllm_probe_kvplan.py")
 CONFIG_DIR = REPO / "benchmarks" / "e2e" / "configs"
 CONFIGS = tuple(c for c in ("v41-tput", "v41-long", "v4-long")
                 if (CONFIG_DIR / c / "config.json").is_file())
-# probe path -> the planner's paging of the same serving path (packing.PAGINGS)
-PATHS = {"ampere128": "ampere-128", "ampere64": "ampere", "ampere64-idx64": "ampere-64-idx64",
+# probe path -> the planner's paging of the same pages (packing.PAGINGS; its "ampere" entry
+# still names the 64 / 128 pages of the tree before the index-K backend took 64)
+PATHS = {"ampere128": "ampere-128", "ampere64": "ampere-64-idx64", "ampere64-idx128": "ampere",
          "upstream-sm90": "upstream-sm90"}
 # max_model_len of run.py --task long (1,048,320) and 512K; the KV memory the two bdbe637
 # engines logged.
@@ -112,22 +115,104 @@ def test_vllm_reproduces_the_bdbe637_figures(vllm_plans):
     assert amp["capacity"]["1048320"]["101.55"]["tokens"] / 60_444_651 - 1 > 0.10
 
 
+def _layout(v: dict) -> dict:
+    """What vLLM's packing decides, without layer names' owners: block size, every cache's
+    spec, the groups (block, layers, page bytes), the pool block, the capacity."""
+    return {"block_size": v["block_size"], "layout": v["layout"],
+            "specs": v["specs"], "bytes_per_block": v["bytes_per_block"],
+            "groups": [(g["block_size"], sorted(g["layers"]), g["page_size_bytes"])
+                       for g in v["groups"]],
+            "capacity": v["capacity"]}
+
+
+def _index_k_caches(v: dict) -> dict:
+    return {k: b for k, b in v["backends"].items() if k.endswith(".indexer.k_cache")}
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_vllm_layout_of_the_trees_kv_page64(vllm_plans, config):
-    """V4.1: with the compressed-KV backend at 64 and upstream's indexer-K backend at 128 the
-    block stays 128 and the pool block is padded to the LCM of the 64-token pages; with the
-    indexer at 64 too the layout is upstream's SM90 one. V4 (256-token pages) is unaffected."""
-    now = _value(vllm_plans, config, "ampere64")
-    fixed = _value(vllm_plans, config, "ampere64-idx64")
+    """The tree's Ampere path (kv_page64 on by default) packs exactly as upstream's SM90
+    classes: same block size, specs, groups (with their layers), pool block and KV tokens at
+    every max_model_len and memory, so it holds at least as many tokens. V4.1: the block is
+    64 tokens and every index-K cache is served by our backend asking for 64."""
+    tree = _value(vllm_plans, config, "ampere64")
     sm90 = _value(vllm_plans, config, "upstream-sm90")
+    assert tree["class"].startswith("DeepinferAmpere") and not sm90["class"].startswith("Deepinfer")
+    assert _layout(tree) == _layout(sm90)
+    for length in LENGTHS:
+        for gib in KV_GIB:
+            assert (tree["capacity"][str(length)][str(gib)]["tokens"]
+                    >= sm90["capacity"][str(length)][str(gib)]["tokens"])
     if config.startswith("v41"):
-        assert now["block_size"] == 128
-        widest = max(g["page_size_bytes"] for g in now["groups"])
-        assert now["bytes_per_block"] == 1_235_520 > 5 * widest
-        assert fixed["block_size"] == 64
-    for key in ("block_size", "bytes_per_block", "capacity"):
-        assert fixed[key] == sm90[key]
-    assert ([(g["block_size"], g["page_size_bytes"]) for g in fixed["groups"]]
-            == [(g["block_size"], g["page_size_bytes"]) for g in sm90["groups"]])
-    if config.startswith("v4-"):
-        assert now["capacity"] == sm90["capacity"] == _value(vllm_plans, config, "ampere128")["capacity"]
+        assert tree["block_size"] == 64
+        idx = _index_k_caches(tree)
+        assert idx and all(b == ["DeepinferAmpereV41IndexerBackend", [64]] for b in idx.values())
+        assert set(idx) == set(_index_k_caches(sm90))
+
+
+V41_CONFIGS = [c for c in CONFIGS if c.startswith("v41")]
+
+
+@pytest.mark.parametrize("config", V41_CONFIGS)
+def test_vllm_index_sources_share_our_index_cache(vllm_plans, config):
+    """Every index source of the Ampere path holds the forward context's index-K cache of its
+    kv source, of our class: the owners their own, the non-owning ones (v41-tput layer 10,
+    v41-long layers 4 and 6) the owner's object. With kv_page64 off the same caches ask for
+    upstream's 128."""
+    cfg = kvp.load_config(CONFIG_DIR / config / "config.json")
+    cfg = cfg.get("text_config", cfg)
+    kv_src, idx_src = cfg["kv_source_layer_ids"], cfg["index_source_layer_ids"]
+    for path, page in (("ampere64", 64), ("ampere128", 128)):
+        v = _value(vllm_plans, config, path)
+        got = v["index_sources"]
+        assert sorted(got) == sorted(f"model.layers.{i}.attn" for i in idx_src)
+        for i in idx_src:
+            owner = max(s for s in kv_src if s <= i)
+            prefix, owns, cls, in_ctx = got[f"model.layers.{i}.attn"]
+            assert prefix == f"model.layers.{owner}.attn.indexer.k_cache" and owns == (i in kv_src)
+            assert cls == "DeepinferAmpereV41IndexerCache" and in_ctx is True
+        assert any(i not in kv_src for i in idx_src)  # a non-owning index source was checked
+        assert all(b == ["DeepinferAmpereV41IndexerBackend", [page]]
+                   for b in _index_k_caches(v).values())
+
+
+@pytest.mark.parametrize("config", V41_CONFIGS)
+def test_vllm_index_k_at_128_pads_the_pool_block(vllm_plans, config):
+    """With the compressed pages at 64 and the index-K pages at upstream's 128 (the tree from
+    7f9e907 to 8213d15) the block stays 128 tokens and the pool block is the LCM of the
+    64-token pages' strides, several times the widest group: the cache holds a small
+    fraction of the tokens of either consistent layout."""
+    half = _value(vllm_plans, config, "ampere64-idx128")
+    tree = _value(vllm_plans, config, "ampere64")
+    assert half["block_size"] == 128
+    widest = max(g["page_size_bytes"] for g in half["groups"])
+    assert half["bytes_per_block"] > 5 * widest
+    if config == "v41-tput":
+        assert half["bytes_per_block"] == 1_235_520 and tree["bytes_per_block"] == 93_312
+    for length in LENGTHS:
+        for gib in KV_GIB:
+            got = half["capacity"][str(length)][str(gib)]["tokens"]
+            assert got < 0.2 * tree["capacity"][str(length)][str(gib)]["tokens"]
+
+
+@pytest.mark.parametrize("config", V41_CONFIGS)
+def test_vllm_kv_page64_against_128_token_pages(vllm_plans, config):
+    """kv_page64 against DEEPINFER_KV_PAGE64=0 (upstream's 128-token pages off SM90, the
+    A100-faithful engine of bdbe637): the 64-token layout holds more tokens at every
+    max_model_len and memory (v41-tput: pool block 93,312 B against 184,320 B)."""
+    tree = _value(vllm_plans, config, "ampere64")
+    old = _value(vllm_plans, config, "ampere128")
+    assert old["block_size"] == 128
+    if config == "v41-tput":
+        assert old["bytes_per_block"] == 184_320
+    for length in LENGTHS:
+        for gib in KV_GIB:
+            assert (tree["capacity"][str(length)][str(gib)]["tokens"]
+                    > old["capacity"][str(length)][str(gib)]["tokens"])
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("v4-")])
+def test_vllm_v4_pages_unaffected(vllm_plans, config):
+    """V4 (256-token pages on every path): kv_page64 changes nothing."""
+    caps = {p: _value(vllm_plans, config, p)["capacity"] for p in PATHS}
+    assert caps["ampere64"] == caps["ampere128"] == caps["ampere64-idx128"] == caps["upstream-sm90"]

@@ -349,9 +349,17 @@ def test_ampere_classes_construct(built, model):
         assert v["backend"] == ("DEEPINFER_AMPERE_SPARSE_DSV41" if model == "deepseek_v41"
                                 else "DEEPINFER_AMPERE_SPARSE_DSV4")
         assert v["swa_builder"].startswith("DeepinferAmpere")  # never plans FlashMLA tiles
-        # Compressed pages: upstream's off-SM90 choice (128 tokens for V4.1, 256 for V4) while
-        # the kv_page64 feature is off by default (vllm/deepinfer/envs.py says why).
-        assert v["kernel_block_sizes"] == ([128] if model == "deepseek_v41" else [256])
+        # Compressed pages: V4.1 upstream's SM90 page of 64 tokens (feature kv_page64; upstream
+        # asks for 128 off SM90), V4 256; V4.1's index-K cache the same 64 through our subclass
+        # of upstream's backend, which keeps its name and builder.
+        assert v["kernel_block_sizes"] == ([64] if model == "deepseek_v41" else [256])
+        idx = v["index_cache"]
+        assert (idx is None) == (not has_indexer)
+        if idx:
+            assert (idx["class"], idx["backend"], idx["kernel_block_sizes"]) == (
+                ("DeepinferAmpereV41IndexerCache", "DEEPSEEK_V41_INDEXER", [64])
+                if model == "deepseek_v41" else ("DeepseekV4IndexerCache", "DEEPSEEK_V4_INDEXER", [256]))
+            assert idx["builder"] == idx["upstream_builder"]
         assert (v["indexer_op"] == "DeepinferAmpereSparseAttnIndexer") == has_indexer
         assert v["has_compressor"] == has_compressor
         assert v["wo_a_is_bmm"] is False

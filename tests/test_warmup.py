@@ -12,6 +12,7 @@ import torch
 from vllm.deepinfer import warmup as wu
 from vllm.deepinfer.kernels import indexer_logits as il
 from vllm.deepinfer.kernels import kv_gather as kg
+from vllm.deepinfer.kernels import shapes as sh
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
 from vllm.deepinfer.kernels import sparse_mla_prefill as spm
 from vllm.deepinfer.kernels import topk_swa as ts
@@ -40,7 +41,9 @@ def test_model_shapes_v41_and_v4():
 
 
 @pytest.mark.parametrize("variant", ["sm80", "sm90"])
-def test_keys_are_the_launchers_configurations(variant):
+def test_keys_are_the_launchers_configurations(variant, monkeypatch):
+    monkeypatch.delenv("DEEPINFER_KV_PAGE64", raising=False)
+    monkeypatch.delenv("DEEPINFER_DISABLE", raising=False)
     shapes = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
     got = wu.keys(shapes, variant, features=["kv_gather", "topk_swa", "sparse_mla_decode"])
     gather = [k for k in got if k.kernel == "kv_gather"]
@@ -53,13 +56,52 @@ def test_keys_are_the_launchers_configurations(variant):
     tile = smd.TILES[variant]
     assert {d["HAS_EXTRA"] for d in decode} == {False, True}   # ratio 0 and ratio > 0 layers
     assert all(d["BLOCK_N"] == tile.block_n and d["MAIN_BS"] == wu.SWA_BLOCK for d in decode)
-    # V4.1: both compressed page sizes (the variant's rule, and the other one the H200
-    # A100-faithful run served with; ModelShapes.extra_pages).
-    assert {d["EXTRA_BS"] for d in decode if d["HAS_EXTRA"]} == {64, 128}
+    # V4.1 with kv_page64 (on by default): 64-token pages, 64 entries at ratio 1 and 32 at
+    # ratio 2 (ModelShapes.extra_pages).
+    assert {d["EXTRA_BS"] for d in decode if d["HAS_EXTRA"]} == {64, 32}
     # An unsplit launch passes ``out`` (bf16) for its partials: the warmup passes the same.
     unsplit = [k for k in got if k.kernel == "decode" and not dict(k.constexprs)["SPLIT"]]
     assert unsplit and all(dict(k.ptrs)["part_m_ptr"] == "bf16" for k in unsplit)
     assert any(k.kernel == "decode_reduce" for k in got)
+
+
+@pytest.mark.parametrize("variant", ["sm80", "sm86", "sm90", "sm100"])
+def test_v41_pages_follow_kv_page64(variant, monkeypatch):
+    """The compressed pages the decode is warmed for: kv_page64 on (default) 64-token pages
+    on every variant; off, upstream's pages, which follow the capability vLLM sees (a
+    variant forced by DEEPINFER_ARCH can differ from it), so 64 and 128. Entries per page are
+    page // ratio; V4 keeps 256 // ratio."""
+    monkeypatch.delenv("DEEPINFER_KV_PAGE64", raising=False)
+    monkeypatch.delenv("DEEPINFER_DISABLE", raising=False)
+    v41 = wu.ModelShapes(window=128, compress_ratios=(0, 1, 2), topk=512, heads=64)
+    v4 = wu.ModelShapes(window=128, compress_ratios=(1, 4, 128), topk=512, heads=64, model="v4")
+    assert sh.compressed_page(variant) == sh.KV_PAGE64 == 64
+    assert v41.v41_pages(variant) == (64,)
+    assert v41.extra_pages(1, variant) == (64,) and v41.extra_pages(2, variant) == (32,)
+    assert v41.extra_page(2, variant) == 32
+    assert v4.extra_pages(4, variant) == (64,) and v4.extra_pages(128, variant) == (2,)
+
+    def extras():
+        return {dict(k.constexprs)["EXTRA_BS"] for k in wu.keys(v41, variant,
+                                                                features=["sparse_mla_decode"])
+                if k.kernel == "decode" and dict(k.constexprs)["HAS_EXTRA"]}
+    assert extras() == {64, 32}
+    monkeypatch.setenv("DEEPINFER_KV_PAGE64", "0")
+    assert sh.compressed_page(variant) == (64 if variant == "sm90" else 128)
+    assert v41.v41_pages(variant) == (64, 128)
+    assert v41.extra_pages(1, variant) == (64, 128) and v41.extra_pages(2, variant) == (32, 64)
+    assert extras() == {128, 64, 32}
+    monkeypatch.setenv("DEEPINFER_DISABLE", "kv_page64")
+    monkeypatch.delenv("DEEPINFER_KV_PAGE64")
+    assert v41.v41_pages(variant) == (64, 128)
+
+
+def test_compressed_entries_refuses_partial_entries():
+    assert sh.compressed_entries(64, 2) == 32 and sh.compressed_entries(128, 1) == 128
+    with pytest.raises(ValueError, match="whole ratio-3 entries"):
+        sh.compressed_entries(64, 3)
+    with pytest.raises(ValueError, match="unknown variant 'sm70'"):
+        sh.compressed_page("sm70")
 
 
 def test_decode_keys_cover_both_phases_where_predequant_is_on(monkeypatch):

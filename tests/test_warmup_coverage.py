@@ -6,7 +6,8 @@ Both sides are Triton's own cache keys (tests/launch_keys.py: argument types, th
 specialization of ints and pointers, the launch options), computed for a CUDA target
 without a GPU: the warmup's from ``warmup_args(key)`` as ``JITFunction.warmup`` binds them,
 the launches' from the real launchers called with production geometry (V4.1: SWA pages of
-32, compressed pages of 128, 64 on sm90; V4: SWA 64, C4A 64, C128A 2), head counts of TP 1
+32; compressed and index-K pages of 64 tokens with kv_page64, upstream's 128 (64 on sm90)
+without it, page // ratio entries each; V4: SWA 64, C4A 64, C128A 2), head counts of TP 1
 to 8, batch sizes from 1 to past the request buckets, chunks that start at odd requests (the
 metadata slices that move pointer alignment) and the SM counts of A100, A10/A40/RTX 3090 and
 H200. Launches are intercepted, not run, so the grid costs milliseconds. A launch outside
@@ -26,7 +27,6 @@ from vllm.deepinfer import arch
 from vllm.deepinfer import warmup as wu
 from vllm.deepinfer.kernels import indexer_logits as il
 from vllm.deepinfer.kernels import kv_gather as kg
-from vllm.deepinfer.kernels import shapes as sh
 from vllm.deepinfer.kernels import sparse_mla_decode as smd
 from vllm.deepinfer.kernels import sparse_mla_prefill as spm
 from vllm.deepinfer.kernels import topk_swa as ts
@@ -37,6 +37,30 @@ VARIANTS = ("sm80", "sm90")
 SM_COUNTS = (108, 82, 72, 132)
 CC = {"sm80": 80, "sm90": 90}
 I32 = dict(dtype=torch.int32)
+# V4.1's compressed / index-K page in tokens as vLLM resolves it for the Ampere path, by the
+# kv_page64 feature: on, the 64 both of our backends declare (attention/ampere_v41.py; the
+# construct probe of tests/test_vllm_import.py checks them); off, upstream's 128 off SM90 and
+# 64 on SM90. A ratio-r cache holds page // r entries per page (MLAAttentionSpec
+# tokens_per_state); V4's pages hold 256 tokens.
+V41_PAGE_TOKENS = {True: {"sm80": 64, "sm90": 64}, False: {"sm80": 128, "sm90": 64}}
+V4_PAGE_TOKENS = 256
+
+
+def _entries(shapes, ratio, variant, page64=True):
+    if shapes.model == "v41":
+        return V41_PAGE_TOKENS[page64][variant] // ratio
+    return V4_PAGE_TOKENS // ratio
+
+
+@pytest.fixture(params=[True, False], ids=["kv_page64", "page64_off"])
+def page64(request, monkeypatch):
+    """kv_page64 on (the default) or DEEPINFER_KV_PAGE64=0."""
+    monkeypatch.delenv("DEEPINFER_DISABLE", raising=False)
+    if request.param:
+        monkeypatch.delenv("DEEPINFER_KV_PAGE64", raising=False)
+    else:
+        monkeypatch.setenv("DEEPINFER_KV_PAGE64", "0")
+    return request.param
 
 
 def _models(variant, tps=(1,)):
@@ -83,7 +107,7 @@ def _zeros(shape: tuple, dtype=torch.int32):
     return torch.zeros(shape, dtype=dtype)
 
 
-def _decode_calls(shapes, variant):
+def _decode_calls(shapes, variant, page64=True):
     swa_bs = shapes.swa_page
     heads = shapes.heads
     # Odd block counts: the row counts the kernel bounds-checks against are not multiples of 16.
@@ -99,7 +123,7 @@ def _decode_calls(shapes, variant):
         kw = {}
         if not shapes.swa_only(ratio):
             width = shapes.c128a_topk if ratio >= 128 else shapes.topk
-            kw = dict(extra_cache=new_cache(33, shapes.extra_page(ratio, variant)),
+            kw = dict(extra_cache=new_cache(33, _entries(shapes, ratio, variant, page64)),
                       extra_indices=_zeros((tokens * width,)),
                       extra_indptr=torch.arange(tokens + 1, **I32) * width)
         yield lambda: smd.sparse_attn_decode(
@@ -108,11 +132,12 @@ def _decode_calls(shapes, variant):
 
 
 @pytest.mark.parametrize("variant,switch", [("sm80", None), ("sm80", "0"), ("sm90", None)])
-def test_decode_launches_are_warmed(variant, switch, gpu_like, monkeypatch):
+def test_decode_launches_are_warmed(variant, switch, page64, gpu_like, monkeypatch):
     """sm80 by default: single-phase launches below PREDEQUANT_MIN_TOKENS tokens, two-phase
     ones (the "-2p" tile and its first phase) from it, both warmed;
     DEEPINFER_DECODE_PREDEQUANT=0: single phase at every batch, and the warmup drops the
-    two-phase keys. sm90: single phase only."""
+    two-phase keys. sm90: single phase only. V4.1's compressed pages with kv_page64 on
+    (64-token pages: 64 and 32 entries) and off."""
     if switch is not None:
         monkeypatch.setenv("DEEPINFER_DECODE_PREDEQUANT", switch)
     rows = set()
@@ -130,7 +155,7 @@ def test_decode_launches_are_warmed(variant, switch, gpu_like, monkeypatch):
         with recording(CC[variant]) as seen:
             for sms in SM_COUNTS:
                 gpu_like(sms)
-                for call in _decode_calls(shapes, variant):
+                for call in _decode_calls(shapes, variant, page64):
                     call()
         names = {k.fn.__name__ for k, _ in seen}
         assert names == {"_sparse_mla_decode_kernel", "_sparse_mla_decode_reduce_kernel"} | (
@@ -147,7 +172,7 @@ def _chunks(num_reqs):
             yield nd, c0, c1
 
 
-def _prefill_calls(shapes, variant):
+def _prefill_calls(shapes, variant, page64=True):
     for num_reqs in (1, 17, 130):  # the gather's request buckets: 16, 128, 1024
         seq = torch.full((num_reqs + 3,), 300, **I32)
         gl = torch.full((num_reqs + 3,), 200, **I32)
@@ -166,7 +191,7 @@ def _prefill_calls(shapes, variant):
                         variant=variant)
                 yield swa_gather
                 if not shapes.swa_only(ratio):
-                    page = shapes.extra_page(ratio, variant)
+                    page = _entries(shapes, ratio, variant, page64)
                     comp = new_cache(50, page)
 
                     def comp_gather(out=out, comp=comp, nd=nd, c0=c0, c1=c1, page=page, r=ratio):
@@ -190,12 +215,12 @@ def _prefill_calls(shapes, variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_prefill_gather_and_combine_launches_are_warmed(variant, gpu_like):
+def test_prefill_gather_and_combine_launches_are_warmed(variant, page64, gpu_like):
     for shapes in _models(variant):
         warm = _warm_keys(shapes, variant)
         with recording(CC[variant]) as seen:
             gpu_like(108)  # the SM count sizes the grid only, which is not part of the key
-            for call in _prefill_calls(shapes, variant):
+            for call in _prefill_calls(shapes, variant, page64):
                 call()
         names = {k.fn.__name__ for k, _ in seen}
         assert names == {"_gather_kernel", "_combine_kernel"}
@@ -238,14 +263,24 @@ def test_prefill_attention_launches_are_warmed(variant, gpu_like):
 
 
 # ----------------------------------------------------------------------------- indexer
+def _index_caches(variant, page64):
+    """Index-K caches [blocks, entries, 132] of ratio 1 and 2: alone (stride(0) one page) and
+    as vLLM binds them, a view into the pool whose stride(0) is one pool block (v41-tput:
+    93,312 B with 64-token pages, 184,320 B with 128, tests/test_kv_planner_vllm.py)."""
+    pool = {64: 93_312, 128: 184_320}[V41_PAGE_TOKENS[page64][variant]]
+    for ratio in (1, 2):
+        n = V41_PAGE_TOKENS[page64][variant] // ratio
+        yield torch.zeros(77, n, 132, dtype=torch.uint8)
+        yield torch.zeros(77, pool, dtype=torch.uint8)[:, :n * 132].view(77, n, 132)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_indexer_logits_launches_are_warmed(variant, gpu_like):
+def test_indexer_logits_launches_are_warmed(variant, page64, gpu_like):
     shapes = _models(variant)[0]
     warm = _warm_keys(shapes, variant)
-    heads, page = shapes.index_heads, sh.compressed_page(variant)
-    cache = torch.zeros(77, page, 132, dtype=torch.uint8)
+    heads = shapes.index_heads
     with recording(CC[variant]) as seen:
-        for sms in (108, 132):
+        for sms, cache in itertools.product((108, 132), _index_caches(variant, page64)):
             gpu_like(sms)
             for batch, next_n in ((1, 1), (3, 1), (64, 1), (4, 2), (5, 3)):
                 rows = batch * next_n

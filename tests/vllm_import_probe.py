@@ -135,6 +135,8 @@ def construct_layer(cls, vcfg, i: int, topk, built: dict) -> dict:
                                layer.get_attn_backend().get_supported_kernel_block_sizes()],
         "swa_builder": layer.swa_cache_layer.get_attn_backend().get_builder_cls().__name__,
         "indexer": None if layer.indexer is None else type(layer.indexer).__name__,
+        # The index-K cache (a kv-source index layer's own, else shared): class, backend.
+        "index_cache": None if layer.indexer is None else index_cache_view(layer.indexer.k_cache),
         "indexer_op": None if layer.indexer is None
         else type(layer.indexer.indexer_op).__name__,
         "has_compressor": layer.compressor is not None,
@@ -150,6 +152,20 @@ def construct_layer(cls, vcfg, i: int, topk, built: dict) -> dict:
             "__init__" in vars(c) for c in type(layer.indexer).__mro__
             if c.__module__.startswith("vllm.deepinfer")),
     }
+
+
+def index_cache_view(cache) -> dict:
+    backend = cache.get_attn_backend()
+    return {"class": type(cache).__name__, "backend": backend.get_name(),
+            "backend_class": backend.__name__,
+            "builder": backend.get_builder_cls().__name__,
+            "upstream_builder": _upstream_index_builder(),
+            "kernel_block_sizes": [int(b) for b in backend.get_supported_kernel_block_sizes()]}
+
+
+def _upstream_index_builder() -> str:
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
+    return DeepseekV41IndexerBackend.get_builder_cls().__name__
 
 
 @scenario

@@ -32,11 +32,12 @@ What runs is vLLM's code, in the order a served engine runs it:
   groups (``get_global_kv_cache_groups``), the configs (``get_kv_cache_configs``) and the
   capacity (``get_kv_cache_capacity``, the figure ``update_kv_cache_capacity`` logs).
 
-Paths (``PATHS``): ``ampere128`` is the Ampere V4.1 path before 7f9e907
-(DEEPINFER_KV_PAGE64=0), ``ampere64`` the path as it is now (feature kv_page64 on),
-``ampere64-idx64`` the same with the V4.1 indexer cache's backend also asking for 64-token
-pages (a what-if: nothing in the tree does that yet), ``upstream-sm90`` upstream's own
-classes on SM90. Not collected by pytest (no ``test_`` prefix).
+Paths (``PATHS``): ``ampere128`` is the Ampere V4.1 path with DEEPINFER_KV_PAGE64=0
+(upstream's pages off SM90, as before 7f9e907), ``ampere64`` the path as the tree has it
+(feature kv_page64 on: the compressed-KV and the index-K backends both ask for 64-token
+pages), ``ampere64-idx128`` the same with the index-K backend forced back to upstream's 128
+(the tree from 7f9e907 to 8213d15, a what-if now), ``upstream-sm90`` upstream's own classes
+on SM90. Not collected by pytest (no ``test_`` prefix).
 """
 from __future__ import annotations
 
@@ -50,12 +51,13 @@ from types import SimpleNamespace
 
 from vllm_probe_common import cpu_platform, dist_init, fake_capability
 
-# path -> (device capability vLLM sees, environment, V4.1 indexer backend forced to 64)
+# path -> (device capability vLLM sees, environment, page the Ampere V4.1 index-K backend is
+# forced to: None keeps the tree's)
 PATHS = {
-    "ampere128": ((8, 0), {"DEEPINFER_KV_PAGE64": "0"}, False),
-    "ampere64": ((8, 0), {}, False),
-    "ampere64-idx64": ((8, 0), {}, True),
-    "upstream-sm90": ((9, 0), {"DEEPINFER_DISABLE": "all"}, False),
+    "ampere128": ((8, 0), {"DEEPINFER_KV_PAGE64": "0"}, None),
+    "ampere64": ((8, 0), {}, None),
+    "ampere64-idx128": ((8, 0), {}, 128),
+    "upstream-sm90": ((9, 0), {"DEEPINFER_DISABLE": "all"}, None),
 }
 # Projection widths of the layers the probe builds (no KV spec reads them, module doc).
 SMALL_DIMS = dict(hidden_size=256, num_attention_heads=8, q_lora_rank=128, o_lora_rank=128,
@@ -134,8 +136,24 @@ def build_layers(cfg, tc: dict) -> str:
     return cls.__name__
 
 
-def collect_specs(cfg) -> dict:
-    """GPUModelRunner.get_kv_cache_spec (v1/worker/gpu_model_runner.py)."""
+def index_sources(cfg) -> dict:
+    """Every layer with an indexer: its K cache's prefix, whether it owns it (V4's indexers
+    always do), the cache's class, and whether it is the object the forward context holds
+    under that prefix (a non-owning V4.1 index source shares its kv source's)."""
+    ctx = cfg.compilation_config.static_forward_context
+    out = {}
+    for name, mod in ctx.items():
+        idx = getattr(mod, "indexer", None)
+        if idx is not None and hasattr(idx, "k_cache"):
+            k = idx.k_cache
+            out[name] = [k.prefix, bool(getattr(idx, "owns_k", True)), type(k).__name__,
+                         ctx.get(k.prefix) is k]
+    return out
+
+
+def collect_specs(cfg, backends: dict | None = None) -> dict:
+    """GPUModelRunner.get_kv_cache_spec (v1/worker/gpu_model_runner.py); ``backends`` gets
+    each cache's (backend class, kernel block sizes)."""
     from vllm.config.vllm import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
     from vllm.v1.kv_cache_interface import AttentionSpec
@@ -147,6 +165,10 @@ def collect_specs(cfg) -> dict:
             if isinstance(spec, AttentionSpec):
                 spec = customize_attention_spec(mod.get_attn_backend(), spec)
             specs[name] = spec
+            if backends is not None:
+                b = mod.get_attn_backend()
+                backends[name] = [b.__name__, [int(x) if isinstance(x, int) else str(x)
+                                               for x in b.get_supported_kernel_block_sizes()]]
     return specs
 
 
@@ -189,28 +211,31 @@ def plan(cfg, specs: dict, max_model_lens, kv_gib) -> dict:
 
 def run_one(config: str, path: str, req: dict) -> dict:
     from vllm.deepinfer import routing
+    from vllm.deepinfer.attention import ampere_v41
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.mla import indexer as mla_indexer
-    cap, env, idx64 = PATHS[path]
+    cap, env, idx_page = PATHS[path]
     for k in ("DEEPINFER_KV_PAGE64", "DEEPINFER_DISABLE"):
         os.environ.pop(k, None)
     os.environ.update(env)
     routing.reset()
     set_capability(*cap)
-    backend = mla_indexer.DeepseekV41IndexerBackend
+    backend = ampere_v41.DeepinferAmpereV41IndexerBackend
     saved = backend.__dict__["get_supported_kernel_block_sizes"]
-    if idx64:
-        backend.get_supported_kernel_block_sizes = staticmethod(lambda kv_cache_spec=None: [64])
+    if idx_page is not None:
+        backend.get_supported_kernel_block_sizes = staticmethod(
+            lambda kv_cache_spec=None: [idx_page])
     try:
         tc = load_text_config(config)
         length = max(req["max_model_lens"])
         cfg = engine_config(tc, length, req["chunk"], req["max_num_seqs"])
         cls = build_layers(cfg, tc)
         current_platform.update_block_size_for_backend(cfg)
-        specs = collect_specs(cfg)
+        backends: dict = {}
+        specs = collect_specs(cfg, backends)
         res = {"class": cls, "block_size": cfg.cache_config.block_size,
                "cache_dtype": cfg.cache_config.cache_dtype,
-               "specs": {k: describe_spec(v) for k, v in specs.items()}}
+               "specs": {k: describe_spec(v) for k, v in specs.items()},
+               "backends": backends, "index_sources": index_sources(cfg)}
         res.update(plan(cfg, specs, req["max_model_lens"], req["kv_gib"]))
         return res
     finally:

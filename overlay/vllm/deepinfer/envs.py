@@ -92,13 +92,20 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # (vllm.deepinfer.yoco): the layers compute the same thing either way, hence on
     # everywhere; 0 rebuilds it in every layer, as upstream does.
     Feature("yoco_reuse", _ALL, "cross-layer metadata reuse (YOCO) within one forward"),
-    # V4.1's compressed pages of 64 tokens on the Ampere path (upstream's SM90 page) instead
-    # of upstream's 128 off SM90 (attention/ampere_v41.py, DeepinferAmpereV41MLASparseBackend).
-    # Off by default: vLLM's own packing (tests/test_kv_planner_vllm.py, v41-tput) showed
-    # that with the compressed pages at 64 and the index-K pages still at upstream's 128 the
-    # pool block grows to the LCM of the two page sizes and the cache holds ~85% fewer
-    # tokens; =1 only together with 64-token index-K pages.
-    Feature("kv_page64", frozenset(), "V4.1 compressed KV pages of 64 tokens on the Ampere path"),
+    # V4.1's compressed-KV and index-K pages of 64 tokens on the Ampere path (upstream's SM90
+    # page) instead of upstream's 128 off SM90 (attention/ampere_v41.py: the MLA backend and
+    # DeepinferAmpereV41IndexerBackend). vLLM's own packing fed the real layer specs
+    # (tests/test_kv_planner_vllm.py) lays the Ampere path's caches out exactly as upstream's
+    # SM90 classes (groups, pool block, tokens) for v41-tput and v41-long. Reported KV tokens
+    # in 101.55 GiB against 128-token pages, CPU planning only (no GPU ran it): v41-tput
+    # 68,313,610 vs 67,225,551 (+1.6%) at max_model_len 1,048,320 and +4.0% at 524,288 (pool
+    # block 93,312 B vs 184,320 B); v41-long +17.1% and +29.6% (69,696 B vs 138,240 B). With
+    # only the compressed pages at 64 the pool block became the LCM of the two pages
+    # (1,235,520 B) and the cache held 85-89% fewer tokens. On wherever the Ampere class runs
+    # (every variant: it only changes our classes' backends; on SM90 it is upstream's own
+    # page); the warmup compiles the decode for 64-token pages (warmup.py
+    # ModelShapes.v41_pages). DEEPINFER_KV_PAGE64=0 keeps upstream's pages.
+    Feature("kv_page64", _ALL, "V4.1 compressed-KV and index-K pages of 64 tokens (Ampere path)"),
     # Upstream helpers the Ampere path launches but vLLM's JIT warmup does not know (the
     # dense -> ragged index conversion, V4.1's candidate-block selection): their per-batch
     # integers are unspecialized (patches 0003 and 0026) and their configurations compiled in the

@@ -13,8 +13,9 @@ combiner's row widths for the model's compress ratios, window and top-k, and the
 (extra cache or not, split or not, inverse RoPE or not; on sm80/sm86 the single-phase tile
 of small batches and the two-phase tile with its first phase, which launches of
 ``PREDEQUANT_MIN_TOKENS`` tokens or more take unless DEEPINFER_DECODE_PREDEQUANT=0) with the
-cache block sizes of this GPU (V4.1: SWA pages of 32 tokens, compressed pages of 128, 64 on
-sm90; V4: SWA 64, C4A 64, C128A 2) and every split count the decode heuristic can pick. Each
+cache geometry of this GPU (V4.1: SWA pages of 32 tokens; compressed pages of 64 tokens with
+the kv_page64 feature, upstream's 128 / 64 without it, holding page // ratio entries each; V4:
+SWA 64, C4A 64, C128A 2) and every split count the decode heuristic can pick. Each
 key compiles with ``JITFunction.warmup`` (Triton's compile-only launch) from the kernel's
 signature table (the one the compile gate uses): pointers as dtypes (the stand-ins a
 launcher passes for unused arguments included: the dtype is part of Triton's cache key),
@@ -39,7 +40,7 @@ from typing import Any, Callable, Iterable
 
 from vllm.deepinfer import arch, envs
 from vllm.deepinfer.kernels import shapes
-from vllm.deepinfer.kernels.shapes import SWA_PAGE, compressed_page
+from vllm.deepinfer.kernels.shapes import SWA_PAGE, compressed_entries, compressed_page
 
 logger = logging.getLogger("vllm.deepinfer")
 
@@ -80,20 +81,33 @@ class ModelShapes:
         return shapes.V41.swa_page if self.model == "v41" else shapes.V4.swa_page
 
     def extra_page(self, ratio: int, variant: str) -> int:
-        """Entries per page of the compressed cache a ratio-``ratio`` layer decodes."""
+        """Entries per page of the compressed cache a ratio-``ratio`` layer decodes, with the
+        environment's kv_page64 setting (V4.1: ``shapes.compressed_page(variant) // ratio``)."""
         if self.model == "v41":
-            return compressed_page(variant)
+            return compressed_entries(compressed_page(variant), ratio)
         return shapes.V4_LOGICAL_BLOCK // ratio
 
+    @staticmethod
+    def v41_pages(variant: str) -> tuple[int, ...]:
+        """Every V4.1 compressed / index-K page (tokens) the Ampere path can be served with
+        on ``variant``. kv_page64 on (the default): ``shapes.KV_PAGE64`` only, whatever
+        capability vLLM sees (attention/ampere_v41.py asks for it on both caches). Off:
+        upstream's backends pick the page from the capability vLLM sees, which is the
+        variant's unless DEEPINFER_ARCH forces another variant, so both of upstream's sizes
+        (64 / 128) are warmed, a few compiles more. Before the index-K half of kv_page64 the
+        warmup took 64 and 128 on every variant: the H200 nocompile run of the A100-faithful
+        mode (benchmarks/results/h200-2026-12-01-e2e-5f462a5.json, zero_compile) had served
+        64-entry pages where the sm80 rule said 128."""
+        if envs.enabled("kv_page64", variant):
+            return (shapes.KV_PAGE64,)
+        return tuple(sorted(set(shapes.UPSTREAM_COMPRESSED_PAGE.values())))
+
     def extra_pages(self, ratio: int, variant: str) -> tuple[int, ...]:
-        """Every compressed page size the decode may see on ``variant``. V4.1: the variant's
-        page and the other size vLLM uses for these caches (64 / 128 entries). The H200
-        nocompile run of the A100-faithful mode (benchmarks/results/
-        h200-2026-12-01-e2e-5f462a5.json, zero_compile) served V4.1's compressed layers
-        with 64-entry pages where the sm80 rule gives 128, and the two-phase decode
-        compiled while serving; both sizes are warmed (a few compiles)."""
+        """Every entries-per-page count of the compressed cache a ratio-``ratio`` layer
+        decodes on ``variant``: V4.1 ``page // ratio`` for each of ``v41_pages`` (64-token
+        pages: 64 entries at ratio 1, 32 at ratio 2); V4 ``V4_LOGICAL_BLOCK // ratio``."""
         if self.model == "v41":
-            return tuple(sorted({compressed_page(variant), *shapes.COMPRESSED_PAGE.values()}))
+            return tuple(sorted({compressed_entries(p, ratio) for p in self.v41_pages(variant)}))
         return (self.extra_page(ratio, variant),)
 
     @property

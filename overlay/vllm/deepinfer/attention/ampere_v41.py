@@ -10,6 +10,7 @@ docs/ampere-path.md for what is and is not implemented.
 from __future__ import annotations
 
 from vllm.deepinfer import routing
+from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.attention.common import (
     AmpereAttentionMixin,
     DeepinferAmpereSparseAttnIndexer,
@@ -29,12 +30,13 @@ from vllm.models.deepseek_v41.sparse_mla import (
     DeepseekV41SparseSWAMetadataBuilder,
 )
 from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
 
 BACKEND_NAME = "DEEPINFER_AMPERE_SPARSE_DSV41"
-# Compressed-cache page of the Ampere V4.1 path: upstream's SM90 page (models/deepseek_v41/
-# sparse_mla.py, get_supported_kernel_block_sizes), see DeepinferAmpereV41MLASparseBackend.
-KV_PAGE_TOKENS = 64
+# Compressed-KV and index-K page of the Ampere V4.1 path (feature kv_page64): upstream's SM90
+# page (kernels/shapes.py KV_PAGE64), see DeepinferAmpereV41MLASparseBackend.
+KV_PAGE_TOKENS = shapes.KV_PAGE64
 
 
 class DeepinferAmpereV41SparseSWAMetadataBuilder(NoTileSchedulerMixin,
@@ -71,20 +73,68 @@ class DeepinferAmpereV41MLASparseBackend(DeepseekV4SparseMLABackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
         """Upstream's V4.1 backend asks for 128-token compressed pages off SM90 (FlashMLA's
-        SM100 kernels want them) and 64 on SM90. None of the Ampere path's kernels (gather,
-        decode, indexer logits) depends on the page size: they index pages through the block
-        table and ``stride(0)``. The page size shapes vLLM's packing of the cache groups
-        into one physical block, where smaller groups are padded to the widest
-        (v1/core/kv_cache_planning.py, ``_get_packed_kv_cache_groups``): at bdbe637 the
-        A100-faithful engine (128-token pages) held 12% fewer KV tokens per GiB than
-        upstream's SM90 layout (64-token pages) on the v41-tput config (60,444,651 tokens in
-        101.55 GiB against 67,434,907 in 100.24 GiB); read in the code, this page size is the
-        only difference between the two engines' cache specs. With the ``kv_page64`` feature
-        (on by default) the Ampere path takes the SM90 page of 64 tokens;
+        SM100 kernels want them) and 64 on SM90. The Ampere path's kernels take any page:
+        the gather and the indexer logits as a runtime argument, the decode as a constexpr
+        (entries per page) the warmup compiles for each page it can see (warmup.py
+        ModelShapes.v41_pages). The page shapes vLLM's packing of the cache groups into one
+        pool block (v1/core/kv_cache_planning.py, ``_get_packed_kv_cache_groups``; every
+        group's block is padded to the widest). vLLM's own packing fed the real layer specs
+        (tests/test_kv_planner_vllm.py, CPU): at max_model_len 1,048,320 in 101.55 GiB the
+        128-token layout reports 1.6% fewer KV tokens than upstream's SM90 one on v41-tput
+        (pool block 184,320 B against 93,312 B) and 15% fewer on v41-long. With the
+        ``kv_page64`` feature (on by default) the Ampere path takes the SM90 page of 64
+        tokens for the compressed cache and, through ``DeepinferAmpereV41IndexerBackend``,
+        for the index-K cache: the layout is then upstream's SM90 one, byte for byte (with
+        the index-K pages left at 128 the pool block is the LCM of the two pages).
         DEEPINFER_KV_PAGE64=0 keeps upstream's choice. docs/topology-1m-context.md."""
         if routing.use("kv_page64"):
             return [KV_PAGE_TOKENS]
         return DeepseekV4SparseMLABackend.get_supported_kernel_block_sizes(kv_cache_spec)
+
+
+class DeepinferAmpereV41IndexerBackend(DeepseekV41IndexerBackend):
+    """Index-K cache backend of the Ampere path: upstream's ``DeepseekV41IndexerBackend``
+    (its name, DEEPSEEK_V41_INDEXER, its metadata builder and cache shape) asking for the
+    compressed cache's page. vLLM resolves one block size from every backend's kernel pages
+    and packs all cache groups into one pool block (v1/core/kv_cache_planning.py); a 128-token
+    index-K page beside 64-token compressed pages makes the pool block the LCM of the two
+    (1,235,520 B for v41-tput against 93,312 B with both at 64). The index-K kernels read
+    pages through the block table and ``stride(0)``, the page size a runtime argument
+    (kernels/indexer_logits.py, indexer_candidate_logits.py: ``block_size`` is
+    do_not_specialize; vLLM's cp_gather_indexer_k_quant_cache takes it as an argument)."""
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        if routing.use("kv_page64"):
+            return [KV_PAGE_TOKENS]
+        return DeepseekV41IndexerBackend.get_supported_kernel_block_sizes(kv_cache_spec)
+
+
+class DeepinferAmpereV41IndexerCache(DeepseekV4IndexerCache):
+    """Upstream's index-K cache whose dense backend is ``DeepinferAmpereV41IndexerBackend``.
+    Never constructed: ``DeepinferAmpereV41Attention.__init__`` swaps the class of the cache
+    upstream's ``__init__`` built (the pattern upstream's CPU path uses for its indexer
+    cache, models/deepseek_v4/cpu/cpu_sparse.py). The sparse-logits backend
+    (``indexer_sparse_logits``) is left as upstream's: the Ampere path refuses that mode
+    (attention/common.py NoSparseMQAIndexer)."""
+
+    def get_attn_backend(self):
+        backend = super().get_attn_backend()
+        return DeepinferAmpereV41IndexerBackend if backend is DeepseekV41IndexerBackend \
+            else backend
+
+
+def adopt_index_cache(cache) -> DeepinferAmpereV41IndexerCache:
+    """Give the index-K cache ``cache`` (upstream's ``DeepseekV4IndexerCache``, or ours
+    already: a non-owning index source shares the kv source's object through the forward
+    context) the Ampere path's backend, in place: every layer holding the object (the
+    forward context, each indexer and its scoring op) sees the new class."""
+    if type(cache) is DeepseekV4IndexerCache:
+        cache.__class__ = DeepinferAmpereV41IndexerCache
+    elif not isinstance(cache, DeepinferAmpereV41IndexerCache):
+        raise TypeError(f"index-K cache {getattr(cache, 'prefix', '?')}: expected upstream's "
+                        f"DeepseekV4IndexerCache, got {type(cache).__name__}")
+    return cache
 
 
 class DeepinferAmpereV41Indexer(DeepseekV4Indexer):
@@ -126,6 +176,8 @@ class DeepinferAmpereV41Attention(AmpereAttentionMixin, DeepseekV4Attention):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if self.indexer is not None:
+            adopt_index_cache(self.indexer.k_cache)
         self._ampere_init()
 
     # ---- model-specific pieces of the shared forward ----------------------------------

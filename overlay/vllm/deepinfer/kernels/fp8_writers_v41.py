@@ -219,10 +219,15 @@ def indexer_k_norm_rope_store(k_pre: torch.Tensor, positions: torch.Tensor,
 
 
 # ----------------------------------------------------------------- compile gate
-# The launches at V4.1 shapes: SM80's compressed-cache pages, a [max_pos, 64] fp32 cos_sin
-# cache, the V4.1 compress ratios that have a compressor (1 and 2).
-_PAGE = shapes.COMPRESSED_PAGE["sm80"]
+# The launches at V4.1 shapes: the Ampere path's compressed / index-K pages (kv_page64: 64
+# tokens, page // ratio entries each), a [max_pos, 64] fp32 cos_sin cache, the V4.1 compress
+# ratios that have a compressor (1 and 2). Served launches take CACHE_BLOCK from the cache
+# and CACHE_STRIDE / BLOCK_STRIDE from its stride(0) (vLLM's pool block), both fixed per
+# engine; they compiled during load in the H200 nocompile run at d80f014 (warmup.py
+# _writer_keys), which no later run has rechecked with 64-token pages.
+_PAGE_TOKENS = shapes.COMPRESSED_PAGE["sm80"]
 for _cr in (r for r in shapes.V41.ratios if r > 0):
+    _PAGE = shapes.compressed_entries(_PAGE_TOKENS, _cr)
     register_writer(
         f"v41.rope_quant_insert_584.cr{_cr}", _rope_quant_insert_584_kernel,
         {"latent": "*bf16", "positions": "*i64", "cos_sin": "*fp32", "cache": "*u8",

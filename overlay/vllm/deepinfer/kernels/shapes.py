@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = ["ModelShape", "LayerShape", "V41", "V4", "PRODUCTION", "SWA_PAGE", "COMPRESSED_PAGE",
-           "compressed_page", "V4_LOGICAL_BLOCK", "by_name"]
+           "UPSTREAM_COMPRESSED_PAGE", "KV_PAGE64", "compressed_page", "compressed_entries",
+           "V4_LOGICAL_BLOCK", "by_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,17 +47,48 @@ V4 = ModelShape("v4", heads=64, window=128, topk=512, index_heads=64, ratios=(0,
 
 # V4.1's SWA page, the one the decode kernel is compiled for by the gate and the warmup.
 SWA_PAGE = V41.swa_page
-# V4.1 compressed / index-K cache pages, in tokens: 64 on SM90 and 128 elsewhere
-# (get_supported_kernel_block_sizes in vllm/models/deepseek_v41/sparse_mla.py).
-COMPRESSED_PAGE = {"sm80": 128, "sm86": 128, "sm89": 128, "sm90": 64, "sm100": 128, "cpu": 128}
+# V4.1 compressed / index-K cache pages, in tokens, as upstream's backends ask for them: 64 on
+# SM90 and 128 elsewhere (get_supported_kernel_block_sizes of DeepseekV4SparseMLABackend,
+# models/deepseek_v41/sparse_mla.py, and of DeepseekV41IndexerBackend,
+# v1/attention/backends/mla/indexer.py). The Ampere path keeps these with DEEPINFER_KV_PAGE64=0.
+UPSTREAM_COMPRESSED_PAGE = {"sm80": 128, "sm86": 128, "sm89": 128, "sm90": 64, "sm100": 128,
+                            "cpu": 128}
+# The page both V4.1 caches of the Ampere path ask for with the kv_page64 feature (on by
+# default): upstream's SM90 page. With it vLLM packs the Ampere path's caches exactly as
+# upstream's SM90 layout (same groups, pool block and KV tokens: tests/test_kv_planner_vllm.py);
+# with 128 it holds fewer tokens (attention/ampere_v41.py, DeepinferAmpereV41MLASparseBackend).
+KV_PAGE64 = 64
+# V4.1's compressed / index-K page, in tokens, on each variant with the defaults: KV_PAGE64
+# everywhere (the Ampere path with kv_page64 on; upstream's own classes take 64 on SM90 too).
+COMPRESSED_PAGE = {v: KV_PAGE64 for v in UPSTREAM_COMPRESSED_PAGE}
 # V4 pages hold 256 tokens (models/deepseek_v4/sparse_mla.py), so 256 // ratio compressed
 # entries: 64 for C4A, 2 for C128A.
 V4_LOGICAL_BLOCK = 256
 
 
-def compressed_page(variant: str) -> int:
-    """V4.1's compressed / index-K page (tokens) on ``variant``."""
-    return COMPRESSED_PAGE[variant]
+def compressed_page(variant: str, kv_page64: bool | None = None) -> int:
+    """V4.1's compressed / index-K page (tokens) the Ampere path serves on ``variant``:
+    ``KV_PAGE64`` with the kv_page64 feature, else upstream's page for the capability vLLM
+    sees (the variant's: the A100-faithful mode's emulated 8.0 resolves to sm80).
+    ``kv_page64`` None: the feature as the environment has it (vllm.deepinfer.envs)."""
+    if variant not in UPSTREAM_COMPRESSED_PAGE:
+        raise ValueError(f"compressed_page: unknown variant {variant!r}; known: "
+                         f"{', '.join(UPSTREAM_COMPRESSED_PAGE)}")
+    if kv_page64 is None:
+        from vllm.deepinfer import envs  # stdlib only
+        kv_page64 = envs.enabled("kv_page64", variant)
+    return KV_PAGE64 if kv_page64 else UPSTREAM_COMPRESSED_PAGE[variant]
+
+
+def compressed_entries(page_tokens: int, ratio: int) -> int:
+    """Entries in one page of a ratio-``ratio`` V4.1 cache of ``page_tokens`` tokens: each
+    entry holds ``ratio`` tokens (MLAAttentionSpec.tokens_per_state), so the cache tensors
+    are [blocks, page_tokens // ratio, record] (the decode's EXTRA_BS, the writers'
+    CACHE_BLOCK, the gather's block_size)."""
+    if ratio <= 0 or page_tokens % ratio:
+        raise ValueError(f"compressed_entries: a {page_tokens}-token page does not hold whole "
+                         f"ratio-{ratio} entries")
+    return page_tokens // ratio
 
 
 @dataclasses.dataclass(frozen=True)
