@@ -247,7 +247,7 @@ def test_decode_predictions_file():
     (sm80 measured, sm80-2p predicted only) at or above the A100 limit."""
     data = json.loads((REPO / "benchmarks" / "results" /
                        "a100-model-decode-predictions.json").read_text())
-    src = json.loads((REPO / "benchmarks" / "results" / "h200-2026-11-29-final.json").read_text())
+    src = json.loads((REPO / "benchmarks" / "results" / "archive/h200-2026-11-29-final.json").read_text())
     measured = {(r["variant"], json.dumps(r["shape"], sort_keys=True)): r["ours_us"]
                 for r in src["rows"] if r["kernel"] == "sparse_mla_decode"}
     seen = set()

@@ -126,7 +126,7 @@ def dense_routing(cfg_dir: Path) -> list[str]:
     With random weights the router's top-k sits on near-ties, so a rounding difference
     anywhere upstream flips an expert choice and the run diverges: upstream's own eager and
     CUDA-graph runs of v41-mini agreed on only 90% of top-1 tokens with top-2 of 8 experts
-    (h200-2026-12-01-e2e-814f4ac.json). With all experts selected the MoE is a continuous
+    (archive/h200-2026-12-01-e2e-814f4ac.json). With all experts selected the MoE is a continuous
     function of its input (Marlin MoE still runs, with top-k = all), so agreement measures the
     kernels, not the routing's discontinuity. --sparse-routing keeps the configs' top-k."""
     text = json.load(open(cfg_dir / "config.json"))

@@ -18,12 +18,12 @@ from .workloads import decode_workload, gather_workload, indexer_workload, write
 # kernel families the model covers. The kernels' jitted code is the code of this commit
 # (only named constants changed since these runs; docs/a100-model.md).
 VALIDATION_SOURCES = {
-    "sparse_mla_decode": "h200-2026-11-29-final.json",
-    "kv_gather": "h200-2026-11-29-final.json",
-    "v41_rope_quant_insert": "h200-2026-11-29-final.json",
-    "v41_indexer_k_store": "h200-2026-11-29-final.json",
-    "indexer_logits.paged": "h200-2026-11-29-ampere-path-2f0f2b5.json",
-    "indexer_logits.flat": "h200-2026-11-29-ampere-path-2f0f2b5.json",
+    "sparse_mla_decode": "archive/h200-2026-11-29-final.json",
+    "kv_gather": "archive/h200-2026-11-29-final.json",
+    "v41_rope_quant_insert": "archive/h200-2026-11-29-final.json",
+    "v41_indexer_k_store": "archive/h200-2026-11-29-final.json",
+    "indexer_logits.paged": "archive/h200-2026-11-29-ampere-path-2f0f2b5.json",
+    "indexer_logits.flat": "archive/h200-2026-11-29-ampere-path-2f0f2b5.json",
 }
 # Variants validated per family: the Ampere code path (software e4m3) compiled for sm_90,
 # and for the decode also the Hopper variant (hardware e4m3, wgmma).

@@ -45,11 +45,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # PREDEQUANT_MIN_TOKENS (4) tokens or more run in two phases (kernels/sparse_mla_decode.py,
     # Tile.predequant, select_tile): 1.1-1.3x faster at 4 tokens, 1.4-2.5x from 16, 5% slower
     # at 1 token x 64 heads, in the H200 run of the sm_80 kernels (benchmarks/results/
-    # h200-2026-12-01-sparse_mla_decode-4ab26c8.json; no A100 figures). 0 keeps every launch
+    # archive/h200-2026-12-01-sparse_mla_decode-4ab26c8.json; no A100 figures). 0 keeps every launch
     # single-phase. No effect on the hardware-e4m3 variants.
     Feature("decode_predequant", _AMPERE,
             "sparse MLA decode on Ampere: dequantize each key once per token, then attend"),
-    # On for the Ampere variants: benchmarks/results/h200-2026-12-01-sweep-prefill-4ab26c8.json
+    # On for the Ampere variants: benchmarks/results/archive/h200-2026-12-01-sweep-prefill-4ab26c8.json
     # timed the sm80 tile (2 warps, plain form) at 1.15-1.17x upstream's
     # _sparse_attn_prefill_ragged_kernel (1654 vs 1909 us at T=2048 / 64 heads, 3245 vs 3774
     # at 128 heads, 5181 vs 6067 at T=512 / top-k 8192) -- H200 timings of the sm_80-targeted
@@ -85,7 +85,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("mhc", _AMPERE | {"sm89"}, "mHC pre/post on TileLang without DeepGEMM, Ampere configs"),
     # The tensor-core mHC projection above 32 tokens (1.55x to 2.87x upstream's FMA projection
     # from 64 to 1024 tokens, hidden 5120, mhc suite on the H200 with the Ampere builds:
-    # benchmarks/results/h200-2026-12-01-mhc-5f462a5.json) and the FUSED_GEOMETRY table
+    # benchmarks/results/archive/h200-2026-12-01-mhc-5f462a5.json) and the FUSED_GEOMETRY table
     # (empty: the measured candidate did not win). On for the Ampere variants.
     Feature("mhc_tuned", _AMPERE, "mHC tensor-core projection above 32 tokens, Ampere configs"),
     # Metadata identical across a KV-sharing group is built once per forward
@@ -110,7 +110,7 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # dense -> ragged index conversion, V4.1's candidate-block selection): their per-batch
     # integers are unspecialized (patches 0003 and 0026) and their configurations compiled in the
     # warmup (vllm.deepinfer.warmup), so no request compiles them. The H200 nocompile run
-    # (benchmarks/results/h200-2026-12-01-e2e-4ab26c8.json, zero_compile rows) saw each
+    # (benchmarks/results/archive/h200-2026-12-01-e2e-4ab26c8.json, zero_compile rows) saw each
     # compile while serving. On everywhere: it changes no value, only when compiles happen.
     Feature("serve_warmup", _ALL, "upstream ragged/candidate helpers unspecialized and warmed"),
 )}

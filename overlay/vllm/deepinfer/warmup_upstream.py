@@ -1,7 +1,7 @@
 """Warmup keys of upstream vLLM helpers that the Ampere path launches but vLLM's JIT warmup
 does not know, so that no request compiles them (feature ``serve_warmup``).
 
-The H200 nocompile run (benchmarks/results/h200-2026-12-01-e2e-4ab26c8.json, rows
+The H200 nocompile run (benchmarks/results/archive/h200-2026-12-01-e2e-4ab26c8.json, rows
 ``zero_compile``) saw these compile while serving, after vLLM's warmup:
   * the dense -> ragged index conversion (``build_ragged_indices_from_dense`` in
     v1/attention/ops/rocm_aiter_mla_sparse.py), which the Ampere decode runs for its SWA and

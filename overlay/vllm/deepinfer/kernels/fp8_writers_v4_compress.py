@@ -101,7 +101,7 @@ def _pool_and_norm(state, state_stride0, state_stride1, req, position, block_tab
 # block_size (the state cache's) and the page stride are runtime values: vLLM pads V4's
 # compressed pages to the largest page of the model (C128A's 2-entry pages were 141,696
 # bytes in the H200 e2e run, not 2 x 584), so a constexpr stride or a specialized block size
-# compiled again while serving (benchmarks/results/h200-2026-12-01-e2e-4ab26c8.json,
+# compiled again while serving (benchmarks/results/archive/h200-2026-12-01-e2e-4ab26c8.json,
 # zero_compile). Strides are multiples of 576 bytes: one "divisible by 16" build. The
 # entries per page (cache_block: 64 for C4A, 2 for C128A) are unspecialized too: the
 # 5f462a5 run still compiled C128A's 2-entry form while serving. The block table's row

@@ -68,7 +68,7 @@ class LogitsTile:
 
 
 # Measured on the H200, GPU time from CUDA graphs, sm80 variant (software decode):
-# * tile (benchmarks/results/h200-2026-11-29-one-layer-1687c8b.json, suite indexer_logits):
+# * tile (benchmarks/results/archive/h200-2026-11-29-one-layer-1687c8b.json, suite indexer_logits):
 #   64 keys x 4 warps was fastest of [32, 64, 128] keys x [4, 8] warps — prefill 2048 rows x
 #   8192 keys 846 us (64 x 8: 1549; 128 x 8: 923; 32 x 8: 2495), and at the 64-row decode
 #   1.5-3x faster than the others. Triton's fp8e4b15 conversion was within 1% of the integer
@@ -229,7 +229,7 @@ def _pair_logits(out_ptr, out_stride, q_ptr, w_ptr, start_ptr, end_ptr, k_ptr, k
 # build them all. ``page_stride`` stays specialized: pages are 16-byte multiples (128 x 132
 # bytes and vLLM's aligned pages), and without that alignment fact the key loads lose their
 # 16-byte vectors (the decode rows of the H200 suite went from 62 to 83 us when it was
-# unspecialized at 80aad4c; h200-2026-11-29-one-layer-1687c8b.json has the slow rows).
+# unspecialized at 80aad4c; archive/h200-2026-11-29-one-layer-1687c8b.json has the slow rows).
 # The row bounds and the block table come as slices of per-step metadata (a TP rank's row
 # window, the decode rows of a mixed batch) whose 16-byte alignment varies: not specialized
 # on it, so vLLM's warmup covers every launch (tests/test_warmup_coverage.py); they are read

@@ -92,7 +92,7 @@ INDEX_LIMIT = 2 ** 31 - 1
 PREDEQUANT_FEATURE = "decode_predequant"
 # Decode tokens (rows of q) from which a software-e4m3 variant (sm80, sm86, cpu) takes its
 # two-phase row ("<variant>-2p") while decode_predequant is on (select_tile); fewer take the
-# single-phase row. From benchmarks/results/h200-2026-12-01-sparse_mla_decode-4ab26c8.json:
+# single-phase row. From benchmarks/results/archive/h200-2026-12-01-sparse_mla_decode-4ab26c8.json:
 # H200 timings of the sm_80-targeted kernels run on Hopper (rows "sm80" vs "sm80-2p"; not
 # A100 figures, no A100 was measured), top-k 512 + window 128, CUDA-graph replays:
 #   64 heads, tokens 1 / 4 / 16 / 64 / 128: two-phase 42.3 / 30.8 / 42.9 / 135.3 / 273.6 us,
@@ -110,7 +110,7 @@ PREDEQUANT_MIN_TOKENS = 4
 # at once (95 registers: 5 CTAs), so one wave overlaps the loads of many tiles: the A100
 # model (tools/a100_model.py) puts phase 1 at 31 us for 64 tokens x 640 keys with 4, at
 # 69 us with 16 (several waves of latency-bound programs). The H200 sweep
-# (benchmarks/results/h200-2026-12-01-decode-2p-sweep-3dcac6f.json, phase 1 alone, e4b15)
+# (benchmarks/results/archive/h200-2026-12-01-decode-2p-sweep-3dcac6f.json, phase 1 alone, e4b15)
 # disagreed: 16 programs per SM 33.6 / 58.8 us at 64 / 128 tokens against 40.2 / 70.2 with 4,
 # 32-key tiles 36.6 / 61.1. Kept at 4 until the grid and the f16bits decoder (now the
 # default) are timed together; nothing here changes an output.
@@ -186,7 +186,7 @@ TILES: dict[str, Tile] = {
     # (one stage: 48 KiB, the tile stored twice). Chosen with the A100 model over warps
     # {2, 4, 8} x stages {1, 2, 3} x keys {16, 32} within 48 KiB (docs/a100-model.md);
     # 32 keys x 2 stages needs 49 KiB. Then timed on the H200 by benchmarks/diag/
-    # sweep_decode_2p.py (benchmarks/results/h200-2026-12-01-decode-2p-sweep-3dcac6f.json,
+    # sweep_decode_2p.py (benchmarks/results/archive/h200-2026-12-01-decode-2p-sweep-3dcac6f.json,
     # 64 heads, top-k 512 + window 128, each phase also timed alone): 2 warps, 2 stages
     # (the 16 x 16 score tile is exactly two warps' n8 columns, so no QK^T mma is repeated,
     # as in the prefill's Ampere tile) ran phase 2 in 84.0 / 100.4 us at 64 / 128 tokens
@@ -204,7 +204,7 @@ TILES: dict[str, Tile] = {
     # 153.5 vs 153.2, 16 tokens 42.6 vs 40.2. An A100's 108 SMs give 432 slots, so there
     # 64 tokens x 64 heads (256 head tiles) stays unsplit and 32 tokens split 3 ways.
     # qk_halves on (two independent Q.K^T chains): the H200 sweep of 9a2f512
-    # (benchmarks/results/h200-2026-12-01-decode-2p-sweep-9a2f512.json, same shapes) ran
+    # (benchmarks/results/archive/h200-2026-12-01-decode-2p-sweep-9a2f512.json, same shapes) ran
     # phase 2 at 64 tokens in 60.3 us against 64.3 with one chain (total 88.9 vs 92.4), 128
     # tokens unchanged (152.5 vs 152.4), 16 tokens 40.6 vs 42.4. The sm_80 builds with the
     # launches' specialization (benchmarks/results/a100-model-decode-2p-sweep-229e42c.json):

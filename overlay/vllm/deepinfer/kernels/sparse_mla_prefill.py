@@ -127,7 +127,7 @@ class Tile:
 # Tile table keyed by variant (docs/sparse-mla-prefill.md: compile-gate figures and why).
 # Ampere, 48 KiB per CTA: Q [16, 512] bf16 (16 KiB) stays in shared memory and the key tile
 # (16 KiB) is stored once (Triton's cp.async pipeline); 32 heads or 32 keys would need a
-# second 16 KiB. Chosen from benchmarks/results/h200-2026-12-01-sweep-prefill-4ab26c8.json.
+# second 16 KiB. Chosen from benchmarks/results/archive/h200-2026-12-01-sweep-prefill-4ab26c8.json.
 # Its timings are H200 timings of these sm_80-targeted tiles (Triton built them for sm_90,
 # the H200's target; no Ampere GPU has run them), x upstream's kernel at T=2048 / 64 heads,
 # T=2048 / 128 heads, T=512 / top-k 8192:

@@ -108,7 +108,7 @@ def broadcast_prenorm_gemm(x, fn_broadcast, deep_gemm_supported: bool):
 # tensor cores (vllm.deepinfer.mhc.kernels.prenorm_gemm_tc) instead of upstream's per-thread
 # FMA kernels: the fused post + pre kernel reads all of fn (24 x K fp32) once per token,
 # the tensor-core GEMM once per 16-64 tokens. Measured (mhc suite, H200, Ampere builds,
-# hidden 5120; benchmarks/results/h200-2026-12-01-mhc-5f462a5.json): post + tensor-core
+# hidden 5120; benchmarks/results/archive/h200-2026-12-01-mhc-5f462a5.json): post + tensor-core
 # projection against upstream's fused kernel 0.79x at 16 tokens, 0.85x at 24, 0.99x at 32;
 # against upstream's post + FMA projection (no fused kernel above 32) 1.55x at 64, 1.80x at
 # 128, 2.87x at 1024. So the tensor cores take over where upstream's fused kernel ends.
@@ -162,7 +162,7 @@ UPSTREAM = object()
 # last band take no fused kernel (upstream's post kernel, then the tensor-core projection).
 # Empty: the candidate for 5120 (six projection rows per block over eight 640-column slices
 # under 16 tokens instead of upstream's (2, 8, 128)) measured 0.91x to 1.01x of upstream's
-# geometry from 1 to 12 tokens (mhc suite, H200, h200-2026-12-01-mhc-5f462a5.json), so
+# geometry from 1 to 12 tokens (mhc suite, H200, archive/h200-2026-12-01-mhc-5f462a5.json), so
 # upstream's geometry stays at every hidden size. A measured winner goes here.
 FUSED_GEOMETRY: dict[int, tuple[tuple[int, tuple[int, int, int]], ...]] = {}
 
