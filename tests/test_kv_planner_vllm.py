@@ -7,7 +7,8 @@ the tree's path (kv_page64 on: compressed-KV and index-K pages of 64 tokens), th
 the index-K pages forced back to 128 as from 7f9e907 to 8213d15, upstream's classes on SM90),
 the same block size, cache specs, cache groups, pool block, blocks per request and reported
 KV tokens; vLLM's own functions against the figures the H200 logged at bdbe637; and the
-tree's layout against upstream's SM90 one.
+tree's layout against upstream's SM90 one. The planner names the four ``ampere-128``,
+``ampere`` (the tree's default), ``ampere-64-idx128`` (a what-if) and ``upstream-sm90``.
 
 Skips like tests/test_vllm_import.py when the patched tree or vLLM's import dependencies
 are missing or the tree is older than overlay/ (``make patched``); fails instead with
@@ -30,9 +31,9 @@ PROBE = Path(__file__).with_name("vllm_probe_kvplan.py")
 CONFIG_DIR = REPO / "benchmarks" / "e2e" / "configs"
 CONFIGS = tuple(c for c in ("v41-tput", "v41-long", "v4-long")
                 if (CONFIG_DIR / c / "config.json").is_file())
-# probe path -> the planner's paging of the same pages (packing.PAGINGS; its "ampere" entry
-# still names the 64 / 128 pages of the tree before the index-K backend took 64)
-PATHS = {"ampere128": "ampere-128", "ampere64": "ampere-64-idx64", "ampere64-idx128": "ampere",
+# probe path -> the planner's paging of the same pages (packing.PAGINGS: "ampere" is the
+# tree's 64 / 64, "ampere-64-idx128" the what-if with only the compressed page at 64)
+PATHS = {"ampere128": "ampere-128", "ampere64": "ampere", "ampere64-idx128": "ampere-64-idx128",
          "upstream-sm90": "upstream-sm90"}
 # max_model_len of run.py --task long (1,048,320) and 512K; the KV memory the two bdbe637
 # engines logged.
@@ -134,9 +135,14 @@ def test_vllm_layout_of_the_trees_kv_page64(vllm_plans, config):
     """The tree's Ampere path (kv_page64 on by default) packs exactly as upstream's SM90
     classes: same block size, specs, groups (with their layers), pool block and KV tokens at
     every max_model_len and memory, so it holds at least as many tokens. V4.1: the block is
-    64 tokens and every index-K cache is served by our backend asking for 64."""
+    64 tokens and every index-K cache is served by our backend asking for 64. The planner's
+    default paging ("ampere", and ``paging_for("ampere")`` with no pages given) is this
+    layout."""
     tree = _value(vllm_plans, config, "ampere64")
     sm90 = _value(vllm_plans, config, "upstream-sm90")
+    assert kvp.paging_for("ampere") is kvp.PAGINGS[PATHS["ampere64"]]
+    block, _, packing = _planner(config, "ampere")
+    assert block == tree["block_size"] and packing.bytes_per_block() == tree["bytes_per_block"]
     assert tree["class"].startswith("DeepinferAmpere") and not sm90["class"].startswith("Deepinfer")
     assert _layout(tree) == _layout(sm90)
     for length in LENGTHS:

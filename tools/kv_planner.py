@@ -10,7 +10,8 @@ Subcommands (each takes --json for machine-readable output):
   predict     the KV tokens vLLM reports for a served config.json, given the KV memory it
               logged ("Available KV cache memory: X GiB"): cache groups, pool block, blocks
               per request, e.g. predict --config benchmarks/e2e/configs/v41-tput/config.json
-              --kv-gib 101.55 --path ampere --page 128
+              --kv-gib 101.55 --path ampere (the tree's 64-token pages; --page 128 is
+              DEEPINFER_KV_PAGE64=0)
   chart       render docs/img/topology-1m-context.png (needs matplotlib)
 
 Bad input exits with status 2 and a message on stderr naming the field.
@@ -76,13 +77,29 @@ def _add_topology_args(p: argparse.ArgumentParser) -> None:
                    help="V4.1 readers whose kv source is on another stage: replicate|reject")
     p.add_argument("--engram-on-gpu", action="store_true", help="V4.1 Engram tables resident on GPU")
     p.add_argument("--load-draft", action="store_true", help="load the MTP/DSpark drafter")
+    _add_serving_args(p)
     _add_paging_arg(p)
+
+
+def _add_serving_args(p: argparse.ArgumentParser) -> None:
+    """The limits the Ampere path's decode reservations are sized from (workspace.py)."""
+    p.add_argument("--max-num-seqs", type=int, default=kvp.DEFAULT_MAX_NUM_SEQS,
+                   help="max_num_seqs (default %(default)s, vLLM's on <70 GiB GPUs)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative tokens per decode step (default 0)")
+    p.add_argument("--max-capture-size", type=int, default=kvp.DEFAULT_MAX_CAPTURE_SIZE,
+                   help="largest CUDA-graph capture size, 0 for eager (default %(default)s)")
+    p.add_argument("--sm-count", type=int, default=kvp.A100_SM_COUNT,
+                   help="SMs per GPU, for the decode's split-K plan (default %(default)s, A100)")
+    p.add_argument("--decode-variant", default="sm80",
+                   help=f"decode tile rows: {'|'.join(kvp.DECODE_TILES)} (default sm80)")
 
 
 def _add_paging_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paging", default="ampere",
                    help=f"serving path's kernel pages: {'|'.join(kvp.PAGINGS)} (default ampere: "
-                   "the Ampere path as the tree has it)")
+                   "the Ampere path as the tree has it, 64-token compressed-KV and index-K "
+                   "pages; ampere-128 is DEEPINFER_KV_PAGE64=0, ampere-64-idx128 a what-if)")
 
 
 def _add_weight_args(p: argparse.ArgumentParser) -> None:
@@ -102,13 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("plan", help="plan one TP x PP layout")
     _add_model_args(p)
-    _add_cache_args(p, "fp8", "fp4")
+    _add_cache_args(p, "fp8", "fp8")
     _add_topology_args(p)
     _add_weight_args(p)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("compare", help="the 6 x 64 GiB comparison")
     _add_model_args(p)
-    _add_cache_args(p, "fp8", "fp4")
+    _add_cache_args(p, "fp8", "fp8")
     _add_weight_args(p)
     p.add_argument("--util", type=float, default=kvp.DEFAULT_GPU_MEMORY_UTILIZATION)
     p.add_argument("--base-reserve-gib", type=float, default=2.0)
@@ -120,10 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV memory vLLM logged (\"Available KV cache memory: X GiB\")")
     p.add_argument("--path", default="ampere",
                    help=f"ampere|upstream-sm90 (or one of {', '.join(kvp.PAGINGS)}); default ampere")
-    p.add_argument("--page", type=int, help="ampere: the compressed-KV kernel page (64 since "
-                   "7f9e907, 128 before); upstream-sm90 takes 64")
+    p.add_argument("--page", type=int, help="ampere: the compressed-KV kernel page (default "
+                   "64, the tree's; 128 is DEEPINFER_KV_PAGE64=0); upstream-sm90 takes 64")
     p.add_argument("--indexer-page", type=int,
-                   help="ampere: the indexer-K kernel page (default 128, upstream's off SM90)")
+                   help="ampere: the index-K kernel page (default --page: the path asks one "
+                   "page for both; --page 64 --indexer-page 128 is the ampere-64-idx128 what-if)")
     p.add_argument("--max-model-len", type=int, default=PREDICT_MAX_MODEL_LEN,
                    help="the engine's max_model_len (default %(default)s, run.py --task long)")
     p.add_argument("--max-num-batched-tokens", type=int, default=PREDICT_CHUNK,
@@ -176,7 +194,10 @@ def topology(args: argparse.Namespace, num_layers: int):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, cross_stage_kv=args.cross_stage_kv,
                         engram_on_gpu=args.engram_on_gpu, load_draft=args.load_draft, label=label,
-                        paging=args.paging)
+                        paging=args.paging, max_num_seqs=args.max_num_seqs,
+                        num_speculative_tokens=args.num_speculative_tokens,
+                        max_capture_size=args.max_capture_size, sm_count=args.sm_count,
+                        decode_variant=args.decode_variant)
 
 
 def config_note(model, config_path) -> list[str]:
@@ -253,7 +274,9 @@ def cmd_plan(args: argparse.Namespace) -> Any:
 
 
 def render_plans(plans: list, gap=None) -> str:
-    out = [kvp.plan_table(plans), "", kvp.summary_table(plans)]
+    out = [kvp.plan_table(plans), "", kvp.summary_table(plans), "",
+           "Reserved per GPU before vLLM sizes the KV cache (MiB; workspace.py, overlay reserve.py):",
+           kvp.reserved_table(plans)]
     for p in plans:
         for w in p.warnings:
             out.append(f"warning ({p.label}): {w}")
@@ -366,7 +389,7 @@ def _chart_topologies(ax, v41) -> None:
     ax.axhline(kvp.REFERENCE_TOKENS / 1e6, color="#c44e52", ls="--",
                label=f"reference TP2 x PP3: {kvp.REFERENCE_TOKENS:,}")
     ax.set_ylabel("GPU-resident KV tokens (millions, vLLM-reported)")
-    ax.set_title("V4.1 on 6 x 64 GiB, fp8 KV + fp4 indexer")
+    ax.set_title("V4.1 on 6 x 64 GiB, fp8 KV + fp8 indexer (the Ampere path)")
     ax.set_ylim(0, max(p.reported_tokens for p in plans) / 1e6 * 1.25)
     ax.legend(fontsize=8, loc="upper left")
     ax.tick_params(axis="x", labelsize=8)

@@ -26,7 +26,9 @@ command. The modules, in dependency order (each imports only modules above it):
 * ``models``      model facts (architectures and their sources), config loading
 * ``weights``     bytes per parameter, parameters per layer
 * ``packing``     vLLM's block size, cache specs, block-outermost packing and KV capacity
-* ``workspace``   what the Ampere path reserves before vLLM sizes the KV cache
+* ``workspace``   what the Ampere path reserves before vLLM sizes the KV cache (overlay
+                  reserve.py's worst cases restated: decode scratch, decode logits,
+                  combined lists, beside the prefill and indexer gathers)
 * ``prediction``  the KV tokens vLLM reports for a served config and its KV memory
 * ``planning``    Topology, per-stage plans, the split search
 * ``comparison``  the 6-GPU comparison and the gap to the reference
@@ -38,7 +40,8 @@ from __future__ import annotations
 
 from .errors import PlannerInputError
 from .sizes import (ATTN_DTYPES, BF16, CONTEXT_1M, DEFAULT_GPU_MEMORY_UTILIZATION,
-                    DEFAULT_MAX_NUM_BATCHED_TOKENS, FP32, INDEXER_DTYPES, INDEXER_HEAD_DIM,
+                    DEFAULT_MAX_CAPTURE_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                    DEFAULT_MAX_NUM_SEQS, FP32, INDEXER_DTYPES, INDEXER_HEAD_DIM,
                     INDEXER_RECORD, LOGICAL_BLOCK, PACKED_ALIGNMENT, PLAIN_ALIGNMENT,
                     SWA_BLOCK, V32_FP8_RECORD, V32_LATENT_DIM, V41_MXFP8_RECORD,
                     V41_NVFP4_COMPRESSED_RECORD, V41_RING_ROWS, V4_FP8_RECORD, V4_HEAD_DIM,
@@ -53,29 +56,35 @@ from .models import (MODEL_FACTS, REQUIRED_ARCH_FIELDS, V4_FLASH_ARCH, V4_PRO_AR
                      build_stack, load_config, model_names, resolve_model)
 from .weights import (DENSE_DTYPES, EXPERT_DTYPES, WEIGHT_BYTES, LayerParams, WeightDtypes,
                       layer_params, model_params)
-from .packing import (PAGINGS, Capacity, CacheSpec, Group, MultipleOf, Packing, Paging,
+from .packing import (AMPERE_PAGE, PAGINGS, Capacity, CacheSpec, Group, MultipleOf, Packing, Paging,
                       approximate_gcd, capacity, in_flight_tokens, pack, paging_for,
                       resolve_block_size, served_specs)
-from .workspace import (GATHER_BUFFER_MAX_BYTES, INDEXER_K_MAX_ROWS, INDEXER_LOGITS_BYTES,
+from .workspace import (A100_SM_COUNT, DECODE_TILES, GATHER_BUFFER_MAX_BYTES,
+                        INDEXER_K_MAX_ROWS, INDEXER_LOGITS_BYTES,
                         PREFILL_BUFFER_ENTRIES_PER_TOKEN, PREFILL_CHUNK_SIZE,
-                        ampere_reserved_bytes, indexer_gather_bytes, prefill_gather_bytes,
-                        workspace_factor)
-from .planning import (Plan, StagePlan, Topology, even_split, parse_int_list, plan,
-                       plan_assumptions, search_split, stage_caches, stage_ranges,
-                       stage_weight_bytes, validate_topology, workspace_bytes)
+                        PREDEQUANT_MIN_TOKENS, DecodeTile, Serving, ampere_reserved_bytes,
+                        combine_kinds, combined_lists_bytes, combined_width,
+                        decode_keys_per_token, decode_scratch_bytes, decode_scratch_worst,
+                        decode_splits, indexer_decode_logits_bytes, indexer_gather_bytes,
+                        layer_topk, prefill_gather_bytes, workspace_factor)
+from .planning import (SERVED_AMPERE_FORMAT, Plan, StagePlan, Topology, even_split,
+                       parse_int_list, plan, plan_assumptions, search_split, serving_for,
+                       stage_caches, stage_ranges, stage_weight_bytes, validate_topology,
+                       workspace_bytes)
 from .prediction import Prediction, family_of, predict
 from .comparison import (REFERENCE_GPUS, REFERENCE_GPU_MEM_GIB, REFERENCE_SPLIT,
                          REFERENCE_TOKENS, ReferenceGap, compare_six_gpus, reference_applies,
                          reference_gap, six_gpu_topologies)
-from .tables import (bucket_markdown, fmt_bytes, layer_type_markdown, page_markdown,
-                     plan_table, summary_table, table)
+from .tables import (RESERVED_COLUMNS, bucket_markdown, fmt_bytes, layer_type_markdown,
+                     page_markdown, plan_table, reserved_table, summary_table, table)
 
 __all__ = ['PlannerInputError', 'KiB', 'MiB', 'GiB', 'CONTEXT_1M', 'V32_LATENT_DIM',
            'V4_HEAD_DIM', 'INDEXER_HEAD_DIM', 'BF16', 'V32_FP8_RECORD', 'V4_FP8_RECORD',
            'V41_MXFP8_RECORD', 'V41_NVFP4_COMPRESSED_RECORD', 'INDEXER_RECORD', 'ATTN_DTYPES',
            'INDEXER_DTYPES', 'FP32', 'LOGICAL_BLOCK', 'SWA_BLOCK', 'PACKED_ALIGNMENT',
            'PLAIN_ALIGNMENT', 'V4_STATE_BLOCK', 'V41_BLOCK', 'V41_RING_ROWS',
-           'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'DEFAULT_GPU_MEMORY_UTILIZATION', 'round_up',
+           'DEFAULT_MAX_NUM_BATCHED_TOKENS', 'DEFAULT_GPU_MEMORY_UTILIZATION',
+           'DEFAULT_MAX_NUM_SEQS', 'DEFAULT_MAX_CAPTURE_SIZE', 'round_up',
            'cdiv', 'CacheKind', 'Layer', 'CacheFormat', 'v32_layer', 'v4_layer', 'v41_layer',
            'v32_stack', 'v4_stack', 'v41_stack', 'layer_bytes_per_token', 'layer_bytes',
            'stack_bytes', 'stack_bytes_per_token', 'count_labels', 'LayerTypeRow',
@@ -84,17 +93,22 @@ __all__ = ['PlannerInputError', 'KiB', 'MiB', 'GiB', 'CONTEXT_1M', 'V32_LATENT_D
            'V4_PRO_ARCH', 'ModelFacts', 'MODEL_FACTS', 'model_names', 'load_config',
            'REQUIRED_ARCH_FIELDS', 'resolve_model', 'build_stack', 'WEIGHT_BYTES',
            'EXPERT_DTYPES', 'DENSE_DTYPES', 'WeightDtypes', 'LayerParams', 'layer_params',
-           'model_params', 'PAGINGS', 'Paging', 'paging_for', 'MultipleOf',
+           'model_params', 'AMPERE_PAGE', 'PAGINGS', 'Paging', 'paging_for', 'MultipleOf',
            'resolve_block_size', 'CacheSpec', 'served_specs', 'Group', 'Packing', 'pack',
            'approximate_gcd', 'in_flight_tokens', 'Capacity', 'capacity',
            'PREFILL_CHUNK_SIZE', 'PREFILL_BUFFER_ENTRIES_PER_TOKEN', 'INDEXER_LOGITS_BYTES',
            'GATHER_BUFFER_MAX_BYTES', 'INDEXER_K_MAX_ROWS', 'prefill_gather_bytes',
            'indexer_gather_bytes', 'ampere_reserved_bytes', 'workspace_factor',
+           'A100_SM_COUNT', 'DECODE_TILES', 'PREDEQUANT_MIN_TOKENS', 'DecodeTile', 'Serving',
+           'combine_kinds', 'combined_lists_bytes', 'combined_width', 'decode_keys_per_token',
+           'decode_scratch_bytes', 'decode_scratch_worst', 'decode_splits',
+           'indexer_decode_logits_bytes', 'layer_topk', 'SERVED_AMPERE_FORMAT', 'serving_for',
            'Prediction', 'family_of', 'predict', 'Topology', 'parse_int_list',
            'even_split', 'validate_topology', 'stage_ranges', 'stage_caches',
            'workspace_bytes', 'StagePlan', 'Plan', 'stage_weight_bytes', 'plan',
            'plan_assumptions', 'search_split', 'REFERENCE_TOKENS', 'REFERENCE_SPLIT',
            'REFERENCE_GPUS', 'REFERENCE_GPU_MEM_GIB', 'six_gpu_topologies', 'compare_six_gpus',
            'ReferenceGap', 'reference_applies', 'reference_gap', 'fmt_bytes', 'table',
-           'plan_table', 'summary_table', 'layer_type_markdown', 'page_markdown',
+           'plan_table', 'summary_table', 'reserved_table', 'RESERVED_COLUMNS',
+           'layer_type_markdown', 'page_markdown',
            'bucket_markdown']

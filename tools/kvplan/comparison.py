@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .layers import CacheFormat
 from .models import ModelFacts
-from .planning import Plan, Topology, even_split, plan, search_split
+from .planning import SERVED_AMPERE_FORMAT, Plan, Topology, even_split, plan, search_split
 from .sizes import GiB
 from .weights import WeightDtypes
 
@@ -40,7 +40,7 @@ def six_gpu_topologies(num_layers: int) -> list[Topology]:
 
 
 def compare_six_gpus(model: ModelFacts, dtypes: WeightDtypes = WeightDtypes(),
-                     fmt: CacheFormat = CacheFormat("fp8", "fp4"), **overrides) -> list[Plan]:
+                     fmt: CacheFormat = SERVED_AMPERE_FORMAT, **overrides) -> list[Plan]:
     plans = []
     for topo in six_gpu_topologies(model.arch["num_hidden_layers"]):
         topo = dataclasses.replace(topo, **overrides)

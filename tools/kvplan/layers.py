@@ -75,7 +75,10 @@ class Layer:
     """A decoder layer: its type label, the caches it owns, and (V4.1 YOCO consumers) the
     layer whose compressed + indexer caches it reads instead of owning them; ``ratio`` is
     its compress ratio (0: sliding window only; readers keep theirs) and ``window`` its
-    sliding window (the prefill gather workspace is sized from both)."""
+    sliding window (the prefill gather workspace is sized from both). ``indexer_record``:
+    the index-K row of the indexer the layer runs (0: none) -- V4's C4A layers and V4.1's
+    index sources, also those that read their kv source's index-K cache instead of owning
+    one (the reservations of workspace.py are per indexer that runs)."""
 
     index: int
     label: str
@@ -83,6 +86,7 @@ class Layer:
     kv_source: int | None = None
     ratio: int = 0
     window: int = 0
+    indexer_record: int = 0
 
     def owns_context_cache(self) -> bool:
         return any(c.growth == "context" for c in self.caches)
@@ -182,7 +186,8 @@ def v4_layer(index: int, ratio: int, fmt: CacheFormat, window: int = 128) -> Lay
                                 "window", window=coff * ratio, block_tokens=V4_STATE_BLOCK[4],
                                 alignment=align, published=False,
                                 upstream_spec="SlidingWindowMLASpec"))
-    return Layer(index, label, tuple(caches), ratio=ratio, window=window)
+    indexer = INDEXER_RECORD[fmt.indexer] if ratio == 4 else 0
+    return Layer(index, label, tuple(caches), ratio=ratio, window=window, indexer_record=indexer)
 
 
 def v41_layer(index: int, ratio: int, kv_source: int | None, index_source: bool,
@@ -196,9 +201,12 @@ def v41_layer(index: int, ratio: int, kv_source: int | None, index_source: bool,
         return Layer(index, "swa", tuple(caches), window=window)
     if ratio not in (1, 2):
         raise PlannerInputError("compress_ratios", f"layer {index}: V4.1 ratio {ratio} not in (0, 1, 2)")
+    # Every index source runs an indexer (models/deepseek_v41/attention.py is_index_source),
+    # also one that reads the index-K cache of the kv source below it.
+    indexer = INDEXER_RECORD[fmt.indexer] if index_source else 0
     if kv_source != index:
         return Layer(index, f"c{ratio}-reader", tuple(caches), kv_source=kv_source,
-                     ratio=ratio, window=window)
+                     ratio=ratio, window=window, indexer_record=indexer)
     align = _alignment(fmt)
     caches.append(CacheKind(f"c{ratio}.kv", _v4_compressed_record(fmt, "v41"), "context",
                             tokens_per_state=ratio, block_tokens=block, alignment=align))
@@ -214,7 +222,7 @@ def v41_layer(index: int, ratio: int, kv_source: int | None, index_source: bool,
                                 rows=V41_RING_ROWS, block_tokens=V41_RING_ROWS,
                                 published=False, upstream_spec="CircularBufferSpec"))
     return Layer(index, f"c{ratio}-source", tuple(caches), kv_source=index, ratio=ratio,
-                 window=window)
+                 window=window, indexer_record=indexer)
 
 
 # --------------------------------------------------------------------------------------

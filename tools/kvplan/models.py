@@ -32,6 +32,9 @@ from .layers import CacheFormat, Layer, v4_stack, v41_stack
 # - [card] public model cards (not in the sdist): V4-Flash hidden 4096, 64 heads, 8 o-groups,
 #   q rank 1024, moe_intermediate 2048; V4-Pro moe_intermediate 3072; vocab 129280 for
 #   both. These make the computed totals land on 284B and ~1.6T (checked by the tests).
+# - [assumed] not in the sdist: the served config's value (benchmarks/e2e/configs/v4-long,
+#   index_topk 512, as V4.1's); only the C4A layers' reservations (decode scratch, combined
+#   lists, workspace.py) read it.
 # - [design] V4.1 attention shapes of vLLM 0.33.0 (tools/configs/README.md, field by field); [recipe-v41]
 #   recipes/models/deepseek-ai/DeepSeek-V4.1-Flash.yaml for 40 layers, 384 experts
 #   (6 active + 1 shared), kv sources 2/8/14/20, Engram on layers 1 and 14 (196.6B params,
@@ -52,6 +55,7 @@ V4_FLASH_ARCH: dict[str, Any] = {
     "vocab_size": 129280,                        # [card]
     "index_n_heads": 64,                         # models/deepseek_v4/attention.py comment
     "index_head_dim": 128,                       # models/deepseek_v4/attention.py comment
+    "index_topk": 512,                           # [assumed] benchmarks/e2e/configs/v4-long
     "sliding_window": 128,                       # [pro-shapes], [design]
 }
 V4_PRO_ARCH: dict[str, Any] = {

@@ -109,17 +109,26 @@ class Paging:
         return self.v41_indexer_page if indexer else self.v41_kv_page
 
 
+# The pages of the Ampere V4.1 path as the tree has it (feature kv_page64, on by default
+# since 934a453; attention/ampere_v41.py, envs.py): its compressed-KV backend and its index-K
+# backend (DeepinferAmpereV41IndexerBackend) both declare 64 tokens, so the block resolves
+# to 64 and vLLM packs the caches exactly as upstream's SM90 classes
+# (tests/test_kv_planner_vllm.py, vLLM's own packing).
+AMPERE_PAGE = 64
+
 PAGINGS: dict[str, Paging] = {p.name: p for p in (
-    # attention/ampere_v41.py since 7f9e907 (feature kv_page64 on): its compressed-KV backend
-    # declares 64, the V4.1 indexer cache keeps upstream's DeepseekV41IndexerBackend (128
-    # off SM90): the block resolves to 128 and the 64-token kernel pages inside it pad the
-    # pool block to the LCM of the compressed caches' 64-token pages.
-    Paging("ampere", 64, V41_KERNEL_PAGE_OFF_SM90,
-           "Ampere V4.1 path since 7f9e907: compressed KV 64, indexer K 128 (upstream's off SM90)"),
+    Paging("ampere", AMPERE_PAGE, AMPERE_PAGE,
+           "Ampere V4.1 path as the tree has it (934a453, kv_page64 on): compressed KV and "
+           "index K both 64 tokens, packed as upstream's SM90 layout"),
     Paging("ampere-128", V41_KERNEL_PAGE_OFF_SM90, V41_KERNEL_PAGE_OFF_SM90,
-           "Ampere V4.1 path before 7f9e907 (DEEPINFER_KV_PAGE64=0): upstream's pages off SM90"),
-    Paging("ampere-64-idx64", 64, 64,
-           "Ampere V4.1 path with the indexer-K backend also at 64 (not in the tree)"),
+           "Ampere V4.1 path with DEEPINFER_KV_PAGE64=0: upstream's 128-token pages off SM90"),
+    # A what-if, no longer any path's default: the compressed page alone at 64 with the
+    # index-K backend at upstream's 128 (the tree from 7f9e907 to 8213d15). The block
+    # resolves to 128 and the 64-token kernel pages inside it pad the pool block to the LCM
+    # of the compressed caches' 64-token page strides.
+    Paging("ampere-64-idx128", AMPERE_PAGE, V41_KERNEL_PAGE_OFF_SM90,
+           "what-if: the compressed page alone at 64, index K at 128 (7f9e907..8213d15); "
+           "the pool block pads to the LCM of the 64-token page strides"),
     Paging("upstream-sm90", V41_KERNEL_PAGE_SM90, V41_KERNEL_PAGE_SM90,
            "upstream's FlashMLA classes on SM90"),
 )}
@@ -127,8 +136,9 @@ PAGINGS: dict[str, Paging] = {p.name: p for p in (
 
 def paging_for(path: str, page: int | None = None, indexer_page: int | None = None) -> Paging:
     """The paging of ``path`` (ampere | upstream-sm90 | a PAGINGS key); for ``ampere``,
-    ``page`` is the compressed-KV page (64 since 7f9e907, 128 before) and ``indexer_page``
-    the indexer's (default upstream's 128 off SM90)."""
+    ``page`` is the compressed-KV page (default the tree's 64; 128 is DEEPINFER_KV_PAGE64=0)
+    and ``indexer_page`` the index-K page (default ``page``: the path asks one page for
+    both caches; 64 with 128 is the ``ampere-64-idx128`` what-if)."""
     if path in PAGINGS and path != "ampere":
         p = PAGINGS[path]
         if page not in (None, p.v41_kv_page) or indexer_page not in (None, p.v41_indexer_page):
@@ -138,8 +148,8 @@ def paging_for(path: str, page: int | None = None, indexer_page: int | None = No
     if path != "ampere":
         raise PlannerInputError("path", f"unknown path {path!r}; expected ampere, "
                                 f"{', '.join(k for k in PAGINGS if k != 'ampere')}")
-    kv = 64 if page is None else page
-    idx = V41_KERNEL_PAGE_OFF_SM90 if indexer_page is None else indexer_page
+    kv = AMPERE_PAGE if page is None else page
+    idx = kv if indexer_page is None else indexer_page
     for v, what in ((kv, "page"), (idx, "indexer_page")):
         if v <= 0 or v % SWA_KERNEL_MULTIPLE:
             raise PlannerInputError(what, f"must be a positive multiple of {SWA_KERNEL_MULTIPLE}, got {v}")

@@ -11,10 +11,15 @@ from .errors import PlannerInputError
 from .layers import CacheFormat, Layer
 from .models import ModelFacts, build_stack
 from .packing import PAGINGS, Packing, in_flight_tokens, pack, served_specs
-from .sizes import (CONTEXT_1M, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                    GiB, SWA_BLOCK)
+from .sizes import (CONTEXT_1M, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_CAPTURE_SIZE,
+                    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, GiB, SWA_BLOCK)
 from .weights import WEIGHT_BYTES, WeightDtypes, layer_params
-from .workspace import ampere_reserved_bytes, workspace_factor
+from .workspace import (A100_SM_COUNT, DECODE_TILES, Serving, ampere_reserved_bytes,
+                        workspace_factor)
+
+# What the Ampere path serves: the 584 B fp8_ds_mla record and the fp8 index-K cache (it
+# refuses the MXFP4 one: attention/common.py DeepinferAmpereSparseAttnIndexer).
+SERVED_AMPERE_FORMAT = CacheFormat("fp8", "fp8")
 
 
 # --------------------------------------------------------------------------------------
@@ -35,6 +40,13 @@ class Topology:
     base_reserve_gib: float = 2.0
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = CONTEXT_1M
+    # The decode reservations' limits (workspace.py Serving; vLLM's defaults on <70 GiB
+    # GPUs): sequences, speculative tokens, the largest CUDA graph (0: eager), the SMs.
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    num_speculative_tokens: int = 0
+    max_capture_size: int = DEFAULT_MAX_CAPTURE_SIZE
+    sm_count: int = A100_SM_COUNT
+    decode_variant: str = "sm80"
     # V4.1 YOCO readers whose kv source sits on another stage: "replicate" plans a copy of
     # the source's compressed + indexer cache on the reader's stage; "reject" fails like
     # upstream 0.33.0 does.
@@ -43,7 +55,7 @@ class Topology:
     load_draft: bool = False      # speculative-decoding drafter (MTP / DSpark) on last stage
     label: str = ""
     # The serving path's kernel pages (packing.PAGINGS): "ampere" is the Ampere path as the
-    # tree has it (since 7f9e907).
+    # tree has it (64-token compressed-KV and index-K pages, kv_page64 on since 934a453).
     paging: str = "ampere"
 
     @property
@@ -88,6 +100,15 @@ def validate_topology(topo: Topology, model: ModelFacts) -> None:
                 raise PlannerInputError("tp", f"TP {tp} does not divide {key}={arch[key]} of {model.name}")
     if topo.paging not in PAGINGS:
         raise PlannerInputError("paging", f"unknown {topo.paging!r}; expected one of {tuple(PAGINGS)}")
+    if topo.decode_variant not in DECODE_TILES:
+        raise PlannerInputError("decode_variant", f"unknown {topo.decode_variant!r}; expected "
+                                f"one of {tuple(DECODE_TILES)}")
+    for name in ("max_num_seqs", "sm_count", "max_num_batched_tokens", "max_model_len"):
+        if getattr(topo, name) <= 0:
+            raise PlannerInputError(name, f"must be positive, got {getattr(topo, name)}")
+    for name in ("num_speculative_tokens", "max_capture_size"):
+        if getattr(topo, name) < 0:
+            raise PlannerInputError(name, f"must be >= 0, got {getattr(topo, name)}")
     if topo.cross_stage_kv not in ("replicate", "reject"):
         raise PlannerInputError("cross_stage_kv", f"expected replicate|reject, got {topo.cross_stage_kv!r}")
 
@@ -116,10 +137,26 @@ def _context_only(layer: Layer) -> Layer:
                                caches=tuple(c for c in layer.caches if c.growth == "context"))
 
 
-def workspace_bytes(held: list[Layer], topo: Topology) -> dict[str, int]:
-    """What a stage's GPUs reserve before vLLM sizes the KV cache (workspace.py), by term."""
+def serving_for(model: ModelFacts, topo: Topology, tp: int) -> Serving:
+    """The reservations' limits on a GPU of a TP-``tp`` stage (workspace.py)."""
+    arch = model.arch
+    vision = arch.get("vision_max_n_token", 0) if arch.get("vision_n_layers", 0) else 0
+    return Serving(heads=arch["num_attention_heads"] // tp,
+                   index_topk=int(arch.get("index_topk", 0) or 0),
+                   max_num_seqs=topo.max_num_seqs,
+                   num_speculative_tokens=topo.num_speculative_tokens,
+                   max_capture_size=topo.max_capture_size,
+                   max_image_tokens=int(vision or 0) if model.family == "v4" else 0,
+                   sm_count=topo.sm_count, variant=topo.decode_variant)
+
+
+def workspace_bytes(held: list[Layer], topo: Topology, model: ModelFacts,
+                    tp: int) -> dict[str, int]:
+    """What a stage's GPUs reserve before vLLM sizes the KV cache (workspace.py), by term;
+    upstream's path (paging upstream-sm90) has only its own prefill and indexer requests."""
+    ampere = topo.paging.startswith("ampere")
     return ampere_reserved_bytes(held, topo.max_model_len, topo.max_num_batched_tokens,
-                                 yoco=topo.paging.startswith("ampere"))
+                                 serving_for(model, topo, tp), yoco=ampere, ampere=ampere)
 
 
 @dataclass(frozen=True)
@@ -137,6 +174,7 @@ class StagePlan:
     replicated_sources: tuple[int, ...] = ()
     block_bytes: int = 0         # one pool block on this stage (packing.py)
     num_blocks: int = 0          # pool blocks this stage's budget holds
+    reserved: dict[str, int] = field(default_factory=dict)  # workspace.py's terms, bytes
 
 
 @dataclass
@@ -190,7 +228,7 @@ def _engram_bytes(model: ModelFacts, ids: range, dtypes: WeightDtypes) -> float:
 
 
 def plan(model: ModelFacts, topo: Topology, dtypes: WeightDtypes = WeightDtypes(),
-         fmt: CacheFormat = CacheFormat("fp8", "fp4"), layers: list[Layer] | None = None) -> Plan:
+         fmt: CacheFormat = SERVED_AMPERE_FORMAT, layers: list[Layer] | None = None) -> Plan:
     """Weights per GPU, KV budget, KV tokens and 1M sequences per stage and overall.
     ``layers`` (the stack for ``fmt``) may be passed in to skip rebuilding it."""
     validate_topology(topo, model)
@@ -207,12 +245,18 @@ def plan(model: ModelFacts, topo: Topology, dtypes: WeightDtypes = WeightDtypes(
         staged.append((s, ids, held, foreign, weights))
     packing, names = _stage_packing(model, topo, staged)
     for s, ids, held, foreign, weights in staged:
-        result.stages.append(_stage_plan(s, ids, topo, held, foreign, weights, packing, names[s]))
+        result.stages.append(_stage_plan(model, s, ids, topo, held, foreign, weights, packing,
+                                         names[s]))
     if len(set(topo.tp)) > 1:
         result.warnings.append(
             f"per-stage TP sizes {'/'.join(map(str, topo.tp))}: vLLM 0.33.0 has one "
             "tensor_parallel_size for every pipeline stage (config/parallel.py), so an asymmetric "
             "layout needs two engines with a hand-off or a patched launcher; planned as if supported")
+    if topo.paging.startswith("ampere") and fmt.indexer != "fp8":
+        result.warnings.append(
+            f"indexer {fmt.indexer}: the Ampere path serves only the fp8 index-K cache (it "
+            "refuses MXFP4: attention/common.py DeepinferAmpereSparseAttnIndexer; upstream has "
+            "no bf16 one); planned as a what-if")
     _summarize(result, topo, packing)
     result.assumptions = plan_assumptions(model, topo, dtypes, fmt)
     return result
@@ -233,10 +277,12 @@ def _stage_packing(model: ModelFacts, topo: Topology, staged) -> tuple[Packing, 
     return pack(specs), names
 
 
-def _stage_plan(s: int, ids: range, topo: Topology, held: list[Layer], foreign: list[int],
-                weights: float, packing: Packing, names: list[str]) -> StagePlan:
+def _stage_plan(model: ModelFacts, s: int, ids: range, topo: Topology, held: list[Layer],
+                foreign: list[int], weights: float, packing: Packing,
+                names: list[str]) -> StagePlan:
     in_flight = in_flight_tokens(topo.max_num_batched_tokens, topo.pp)
-    reserve = topo.base_reserve_gib * GiB + workspace_bytes(held, topo)["total"]
+    reserved = workspace_bytes(held, topo, model, topo.tp[s])
+    reserve = topo.base_reserve_gib * GiB + reserved["total"]
     budget = max(topo.util * topo.gpu_mem_gib * GiB - weights - reserve, 0.0)
     per_token = stack_bytes_per_token(held)
     block = packing.bytes_per_block(names)
@@ -245,7 +291,8 @@ def _stage_plan(s: int, ids: range, topo: Topology, held: list[Layer], foreign: 
     tokens = int(budget // per_token) if per_token else 0
     return StagePlan(s, f"{ids.start}-{ids.stop - 1}", topo.tp[s], weights / GiB, reserve / GiB,
                      budget / GiB, per_token, block * blocks, tokens, num_blocks / blocks,
-                     tuple(foreign), block, num_blocks)
+                     tuple(foreign), block, num_blocks,
+                     {k: v for k, v in reserved.items() if k != "total"})
 
 
 def _cross_stage(result: Plan, topo: Topology, s: int, ids: range, foreign: list[int],
@@ -288,13 +335,14 @@ def _summarize(result: Plan, topo: Topology, packing: Packing) -> None:
         result.warnings.append(
             f"paging {topo.paging}: the pool block is {packing.bytes_per_block():,} B for a widest "
             f"group of {widest:,} B (the LCM of the compressed caches' kernel-page strides, "
-            "packing.py); the V4.1 indexer-K backend's page differs from the compressed KV's")
+            "packing.py): the V4.1 index-K backend's page differs from the compressed KV's")
 
 
 def plan_assumptions(model: ModelFacts, topo: Topology, dtypes: WeightDtypes,
                      fmt: CacheFormat) -> list[str]:
     """Every assumption behind a plan, in words."""
     factor = workspace_factor(topo.max_model_len)
+    serving = serving_for(model, topo, topo.tp[0])
     a = [
         f"model facts: {model.source}; parameters computed from config shapes (mHC and norms ignored)",
         f"weights: experts {dtypes.expert} ({WEIGHT_BYTES[dtypes.expert]:.4f} B/param incl. scales), "
@@ -306,11 +354,18 @@ def plan_assumptions(model: ModelFacts, topo: Topology, dtypes: WeightDtypes,
         f"memory: {topo.gpu_mem_gib:g} GiB per GPU x gpu_memory_utilization {topo.util:g}, minus "
         f"weights, minus a {topo.base_reserve_gib:g} GiB base reserve (activations at "
         f"{topo.max_num_batched_tokens} batched tokens, CUDA graphs, NCCL, CUDA context), minus "
-        "what the Ampere path reserves in the profile run (workspace.py: vLLM's workspace at its "
-        "largest request -- the prefill gather 4 x (L/ratio + window + batched tokens) x 1 KiB or "
-        f"the indexer K gather (factor {factor}) --, the cross-layer gather buffer and indexer-K rows, "
-        "the 512 MiB indexer logits; the decode scratch, decode logits and combined lists counted "
-        "as 0 until their formulas are in)",
+        "what the Ampere path reserves in the profile run (workspace.py, overlay reserve.py: "
+        "vLLM's workspace at its largest request -- the prefill gather 4 x (L/ratio + window + "
+        f"batched tokens) x 1 KiB, the indexer K gather (factor {factor}), the decode scratch "
+        f"at up to {serving.decode_tokens(topo.max_num_batched_tokens)} decode tokens "
+        f"(max_num_seqs {topo.max_num_seqs}, {topo.num_speculative_tokens} speculative tokens, "
+        f"largest CUDA graph {topo.max_capture_size}; {topo.decode_variant} tiles, "
+        f"{topo.sm_count} SMs) or the indexer's decode logits "
+        f"({serving.indexer_decode_rows(topo.max_num_batched_tokens)} rows x L/ratio fp32) --, "
+        "plus the combined index lists, the cross-layer gather buffer and indexer-K rows, the "
+        "512 MiB indexer logits" + ("" if topo.paging.startswith("ampere") else
+                                    "; upstream's path: its prefill and indexer requests only")
+        + ")",
         f"paging {topo.paging} ({PAGINGS[topo.paging].note}): vLLM's block-outermost packing of "
         f"the cache groups (packing.py), SWA blocks of {SWA_BLOCK[model.family]}; a request "
         f"reserves its groups' blocks at max_model_len {topo.max_model_len:,} with "
@@ -327,11 +382,14 @@ def plan_assumptions(model: ModelFacts, topo: Topology, dtypes: WeightDtypes,
                                          "upstream recipe does on 80 GB GPUs)"))
     a.append("speculative-decoding drafter " + ("loaded on the last stage" if topo.load_draft
                                                 else "not loaded"))
+    if topo.num_speculative_tokens and model.family == "v41":
+        a.append("decode reservations with speculative tokens: a DSpark drafter's wider decode "
+                 "SWA rows (reserve.py Limits.dspark) are not modelled (workspace.py)")
     return a
 
 
 def search_split(model: ModelFacts, topo: Topology, dtypes: WeightDtypes = WeightDtypes(),
-                 fmt: CacheFormat = CacheFormat("fp8", "fp4"), slack: int = 1) -> Plan:
+                 fmt: CacheFormat = SERVED_AMPERE_FORMAT, slack: int = 1) -> Plan:
     """The best plan over layer splits within ``slack`` layers of an even split: most 1M
     sequences, then fewest cross-stage replicas, then the lightest heaviest stage."""
     n = model.arch["num_hidden_layers"]

@@ -59,11 +59,13 @@ FP32 = 4
 # get_supported_kernel_block_sizes -> [256]); the compressor comment "[256//4, head_dim]"
 # in models/deepseek_v4/compressor.py.
 LOGICAL_BLOCK = 256
-# V4.1's compressed and indexer caches: the block vLLM resolves off SM90, where upstream's
-# indexer-K backend declares 128-token pages (v1/attention/backends/mla/indexer.py,
-# DeepseekV41IndexerBackend) -- on the Ampere path with or without kv_page64 (packing.py
-# resolves it per serving path; 64 on SM90).
-V41_BLOCK = 128
+# V4.1's compressed and indexer caches: the block vLLM resolves when both backends declare
+# 64-token pages -- upstream's classes on SM90 (models/deepseek_v41/sparse_mla.py,
+# DeepseekV41IndexerBackend) and the Ampere path as the tree has it (feature kv_page64, on
+# by default since 934a453: attention/ampere_v41.py). The per-table ``layers`` command
+# pages with it; plans resolve the block per serving path (packing.py; 128 with
+# DEEPINFER_KV_PAGE64=0, upstream's pages off SM90).
+V41_BLOCK = 64
 # Sliding-window pages: V4 uses DeepseekV4SWACache's default block_size=64
 # (v1/attention/backends/mla/sparse_swa.py); V4.1 passes block_size=32.
 SWA_BLOCK = {"v4": 64, "v41": 32}
@@ -82,6 +84,11 @@ V41_RING_ROWS = 8
 # config/cache.py: gpu_memory_utilization 0.92).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+# engine/arg_utils.py get_batch_defaults: 256 sequences on <70 GiB or A100 GPUs; the largest
+# CUDA-graph capture size min(max_num_seqs x decode query length x 2, 512) off SM100
+# (config/vllm.py), 512 at 256 sequences. The decode reservations are sized from both.
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_CAPTURE_SIZE = 512
 
 
 def round_up(x: int, m: int) -> int:

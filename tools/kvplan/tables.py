@@ -47,6 +47,29 @@ def summary_table(plans: list[Plan]) -> str:
                   "KV tokens (vLLM-reported)", "1M sequences"], rows)
 
 
+# workspace.py's terms as reserved_table shows them: (StagePlan.reserved key, header).
+RESERVED_COLUMNS = (
+    ("prefill_gather", "prefill gather"), ("indexer_k_gather", "indexer K gather"),
+    ("decode_workspace", "decode scratch"), ("indexer_decode_logits", "decode logits"),
+    ("workspace", "workspace (max)"), ("yoco_gather_buffer", "yoco gather"),
+    ("yoco_indexer_k", "yoco index K"), ("indexer_logits_transient", "indexer logits"),
+    ("combined_lists", "combined lists"))
+
+
+def reserved_table(plans: list[Plan]) -> str:
+    """Each stage's reservations (MiB): the workspace is the largest of the four requests
+    before it; the total adds the five after it."""
+    rows = []
+    for p in plans:
+        for st in p.stages:
+            r = st.reserved
+            total = r.get("workspace", 0) + sum(r.get(k, 0) for k, _ in RESERVED_COLUMNS[5:])
+            rows.append([p.label or p.model, st.stage,
+                         *(f"{r.get(k, 0) / MiB:,.1f}" for k, _ in RESERVED_COLUMNS),
+                         f"{total / MiB:,.1f}"])
+    return table(["topology", "stage", *(h for _, h in RESERVED_COLUMNS), "total"], rows)
+
+
 def layer_type_markdown(layers: list[Layer], n_tokens: int = CONTEXT_1M) -> str:
     rows = [[r.label, r.count, f"{r.bytes_per_token:,.2f}", fmt_bytes(r.seq_bytes),
              fmt_bytes(r.state_bytes) if r.state_bytes else "-", r.reads or "-"]
