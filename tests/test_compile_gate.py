@@ -69,3 +69,15 @@ def test_gate_refuses_interpreter_mode():
     env = dict(_env(), TRITON_INTERPRET="1")
     r = subproc.run([sys.executable, "-m", "vllm.deepinfer.compile_gate"], env=env, cap=120)
     assert r.returncode == 2 and "unset TRITON_INTERPRET" in r.stderr
+
+
+def test_gate_targets_option():
+    """``--targets`` (make verify's GATE_TARGETS) builds only the named capabilities; a bad
+    list is an argparse error, and a list naming no spec's target compiles nothing and fails
+    rather than passing empty."""
+    bad = subproc.run([sys.executable, "-m", "vllm.deepinfer.compile_gate", "--targets", "sm80"],
+                      env=_env(), cap=120)
+    assert bad.returncode == 2 and "--targets" in bad.stderr
+    none = subproc.run([sys.executable, "-m", "vllm.deepinfer.compile_gate", "--targets", "999"],
+                       env=_env(), cap=120)
+    assert none.returncode == 1 and "0 passed, 0 failed" in none.stderr
