@@ -10,34 +10,12 @@ launches; its docstring describes every hazard).
 """
 from __future__ import annotations
 
-import ast
-import itertools
-import json
-import math
-import sys
-from pathlib import Path
-
 import pytest
-import subproc
 import torch
 
-from vllm.deepinfer.kernels import ragged_indices as ri
-
-REPO = Path(__file__).resolve().parent.parent
-PROBE = REPO / "tests" / "int32_hazard_probe.py"
-INT32_MAX = 2 ** 31 - 1
-
-
-def _probe(device: str, *args: str) -> dict:
-    r = subproc.run([sys.executable, str(PROBE), *args, "--device", device], cap=300)
-    assert r.returncode == 0, (f"{' '.join(args)}: exit {r.returncode} (a negative code is "
-                               f"the signal that killed it)\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _upstream_built() -> bool:
-    return (REPO / "build" / "upstream_kernels" / "__init__.py").is_file()
-
+# The probe runner and the int32 bound are test_int32_hazards.py's (its boundary cases share
+# tests/int32_hazard_probe.py).
+from test_int32_hazards import INT32_MAX, _probe  # noqa: F401
 
 
 # ----------------------------------------------------------------------------- upstream prefill
