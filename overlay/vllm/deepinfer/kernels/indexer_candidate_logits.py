@@ -230,18 +230,7 @@ def candidate_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights:
     rows = batch * next_n
     heads, dim = il._check_q_w(q, weights, rows)
     qb = il._as_codes(q, "q")
-    if kv_cache.dim() == 4:  # DeepGEMM's [num_blocks, block_size, 1, D + 4] view
-        check(kv_cache.shape[2] == 1, "kv_cache", lambda: "4-D cache must have one head, got "
-              f"{tuple(kv_cache.shape)}")
-        kv_cache = kv_cache.squeeze(2)
-    check(kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3
-          and kv_cache.shape[2] == dim + SCALE_BYTES, "kv_cache",
-          lambda: f"expected uint8 [num_blocks, block_size, {dim + SCALE_BYTES}], got "
-          f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
-    page = kv_cache.shape[1]
-    check(kv_cache.stride(2) == 1 and kv_cache.stride(1) == dim + SCALE_BYTES
-          and (kv_cache.shape[0] <= 1 or kv_cache.stride(0) >= page * (dim + SCALE_BYTES)),
-          "kv_cache", lambda: f"pages must be contiguous, got strides {kv_cache.stride()}")
+    kv_cache, page = il._check_paged_cache(kv_cache, dim)
     shape = tuple(context_lens.shape)
     per_row = next_n > 1 and shape == (batch, next_n)
     check(context_lens.dtype == torch.int32 and context_lens.is_contiguous()

@@ -361,6 +361,24 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
                    sm_count=sm_count, out=out)
 
 
+def _check_paged_cache(kv_cache: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
+    """The index-K cache as [num_blocks, block_size, D + 4] uint8 (DeepGEMM's 4-D one-head view
+    squeezed) with contiguous pages, and its block size; fails naming ``kv_cache``."""
+    if kv_cache.dim() == 4:  # DeepGEMM's [num_blocks, block_size, 1, D + 4] view
+        check(kv_cache.shape[2] == 1, "kv_cache", lambda: f"4-D cache must have one head, got "
+              f"{tuple(kv_cache.shape)}")
+        kv_cache = kv_cache.squeeze(2)
+    check(kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3
+          and kv_cache.shape[2] == dim + SCALE_BYTES, "kv_cache",
+          lambda: f"expected uint8 [num_blocks, block_size, {dim + SCALE_BYTES}], got "
+          f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+    block_size = kv_cache.shape[1]
+    check(kv_cache.stride(2) == 1 and kv_cache.stride(1) == dim + SCALE_BYTES
+          and (kv_cache.shape[0] <= 1 or kv_cache.stride(0) >= block_size * (dim + SCALE_BYTES)),
+          "kv_cache", lambda: f"pages must be contiguous, got strides {kv_cache.stride()}")
+    return kv_cache, block_size
+
+
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                      context_lens: torch.Tensor, block_table: torch.Tensor, max_model_len: int,
                      *, variant: str | None = None, sm_count: int | None = None,
@@ -376,18 +394,7 @@ def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Ten
     rows = batch * next_n
     heads, dim = _check_q_w(q, weights, rows)
     qb = _as_codes(q, "q")
-    if kv_cache.dim() == 4:  # DeepGEMM's [num_blocks, block_size, 1, D + 4] view
-        check(kv_cache.shape[2] == 1, "kv_cache", lambda: f"4-D cache must have one head, got "
-              f"{tuple(kv_cache.shape)}")
-        kv_cache = kv_cache.squeeze(2)
-    check(kv_cache.dtype == torch.uint8 and kv_cache.dim() == 3
-          and kv_cache.shape[2] == dim + SCALE_BYTES, "kv_cache",
-          lambda: f"expected uint8 [num_blocks, block_size, {dim + SCALE_BYTES}], got "
-          f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
-    block_size = kv_cache.shape[1]
-    check(kv_cache.stride(2) == 1 and kv_cache.stride(1) == dim + SCALE_BYTES
-          and (kv_cache.shape[0] <= 1 or kv_cache.stride(0) >= block_size * (dim + SCALE_BYTES)),
-          "kv_cache", lambda: f"pages must be contiguous, got strides {kv_cache.stride()}")
+    kv_cache, block_size = _check_paged_cache(kv_cache, dim)
     shape = tuple(context_lens.shape)
     per_row = next_n > 1 and shape == (batch, next_n)
     check(context_lens.dtype in _INDEX and context_lens.is_contiguous()
