@@ -191,16 +191,7 @@ def candidate_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor
     rows = q.shape[0]
     heads, dim = il._check_q_w(q, weights, rows)
     qb = il._as_codes(q, "q")
-    check(k.dim() == 2 and k.shape[1] == dim, "k",
-          lambda: f"expected [N, {dim}], got {tuple(k.shape)}")
-    kb = il._as_codes(k, "k")
-    if k_scale.dtype == torch.uint8:
-        k_scale = k_scale.view(torch.float32)
-    k_scale = k_scale.reshape(-1)
-    check(k_scale.dtype == torch.float32 and k_scale.numel() == k.shape[0]
-          and k_scale.is_contiguous(), "k_scale",
-          lambda: f"expected {k.shape[0]} contiguous fp32 scales, got {k_scale.dtype} "
-          f"{k_scale.numel()}")
+    kb, k_scale = il._check_flat_keys(k, k_scale, dim)
     for name, t in (("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)):
         check(t.dtype == torch.int32 and t.dim() == 1 and t.numel() == rows
               and t.is_contiguous(), name, lambda t=t: f"expected contiguous int32 [{rows}], "

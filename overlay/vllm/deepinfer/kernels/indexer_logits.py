@@ -340,15 +340,7 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
     rows = q.shape[0]
     heads, dim = _check_q_w(q, weights, rows)
     qb = _as_codes(q, "q")
-    check(k.dim() == 2 and k.shape[1] == dim, "k", lambda: f"expected [N, {dim}], got {tuple(k.shape)}")
-    kb = _as_codes(k, "k")
-    if k_scale.dtype == torch.uint8:
-        k_scale = k_scale.view(torch.float32)
-    k_scale = k_scale.reshape(-1)
-    check(k_scale.dtype == torch.float32 and k_scale.numel() == k.shape[0]
-          and k_scale.is_contiguous(), "k_scale",
-          lambda: f"expected {k.shape[0]} contiguous fp32 scales, got {k_scale.dtype} "
-          f"{k_scale.numel()}")
+    kb, k_scale = _check_flat_keys(k, k_scale, dim)
     for name, t in (("cu_seqlen_ks", cu_seqlen_ks), ("cu_seqlen_ke", cu_seqlen_ke)):
         check(t.dtype in _INDEX and t.dim() == 1 and t.numel() == rows and t.is_contiguous(),
               name, lambda t=t: f"expected contiguous int32 [{rows}], got {t.dtype} "
@@ -359,6 +351,21 @@ def mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights:
                    (qb, weights, cu_seqlen_ks, cu_seqlen_ke, kb, k_scale, cu_seqlen_ks, 0, 0, 1,
                     1), paged=False, per_row=False, variant=variant, tile=tile,
                    sm_count=sm_count, out=out)
+
+
+def _check_flat_keys(k: torch.Tensor, k_scale: torch.Tensor, dim: int):
+    """The gathered keys [N, D] as e4m3 codes and their N fp32 scales (uint8 bytes viewed as
+    fp32); fails naming ``k`` or ``k_scale``."""
+    check(k.dim() == 2 and k.shape[1] == dim, "k", lambda: f"expected [N, {dim}], got {tuple(k.shape)}")
+    kb = _as_codes(k, "k")
+    if k_scale.dtype == torch.uint8:
+        k_scale = k_scale.view(torch.float32)
+    k_scale = k_scale.reshape(-1)
+    check(k_scale.dtype == torch.float32 and k_scale.numel() == k.shape[0]
+          and k_scale.is_contiguous(), "k_scale",
+          lambda: f"expected {k.shape[0]} contiguous fp32 scales, got {k_scale.dtype} "
+          f"{k_scale.numel()}")
+    return kb, k_scale
 
 
 def _check_paged_cache(kv_cache: torch.Tensor, dim: int) -> tuple[torch.Tensor, int]:
