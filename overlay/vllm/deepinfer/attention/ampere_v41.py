@@ -9,7 +9,7 @@ docs/ampere-path.md for what is and is not implemented.
 """
 from __future__ import annotations
 
-from vllm.deepinfer import routing
+from vllm.deepinfer import arch, routing
 from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.attention.common import (
     AmpereAttentionMixin,
@@ -88,6 +88,8 @@ class DeepinferAmpereV41MLASparseBackend(DeepseekV4SparseMLABackend):
         the index-K pages left at 128 the pool block is the LCM of the two pages).
         DEEPINFER_KV_PAGE64=0 keeps upstream's choice. docs/topology-1m-context.md."""
         if routing.use("kv_page64"):
+            arch.log_once("kv_page64", f"V4.1 compressed KV pages of {KV_PAGE_TOKENS} tokens",
+                          "upstream's SM90 packing; DEEPINFER_KV_PAGE64=0 keeps upstream's")
             return [KV_PAGE_TOKENS]
         return DeepseekV4SparseMLABackend.get_supported_kernel_block_sizes(kv_cache_spec)
 
@@ -106,6 +108,8 @@ class DeepinferAmpereV41IndexerBackend(DeepseekV41IndexerBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None):
         if routing.use("kv_page64"):
+            arch.log_once("kv_page64", f"V4.1 index-K pages of {KV_PAGE_TOKENS} tokens",
+                          "upstream's SM90 packing; DEEPINFER_KV_PAGE64=0 keeps upstream's")
             return [KV_PAGE_TOKENS]
         return DeepseekV41IndexerBackend.get_supported_kernel_block_sizes(kv_cache_spec)
 

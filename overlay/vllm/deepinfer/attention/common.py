@@ -317,6 +317,10 @@ class AmpereAttentionMixin:
         for kind in self._combine_kinds():
             reserve.reserve_combined_lists(kind, self._combine_slab_width(),
                                            limits.prefill_tokens, q.device)
+        arch.log_once("reserve", f"serving buffers reserved for {limits.decode_tokens} decode "
+                      f"and {limits.prefill_tokens} prefill tokens per step",
+                      "profile run; DEEPINFER_SPARSE_MLA_DECODE=0 / DEEPINFER_INDEXER_LOGITS=0 "
+                      "fall back to upstream's kernels and allocations")
 
     def _decode_keys_per_token(self) -> int:
         """K of vllm.deepinfer.reserve: the dense index width a decode token's ragged lists
