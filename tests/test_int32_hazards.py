@@ -17,9 +17,9 @@
 * Upstream's ragged prefill (DEEPINFER_SPARSE_MLA_PREFILL=0) forms ``query * heads * 512``
   in int32: routing.sparse_attn_prefill refuses such calls instead of letting upstream wrap.
 * pack_seq / unpack_seq on bytes (patch 0017): upstream's kernels form ``row * D`` in int32
-  (past 262,144 padded rows at D = 8,192). Patch 0017 runs them through upstream's own
-  kernel, so the fix is a patch change; kernels/pack_seq.py is the int64 kernel that change
-  routes to, tested here against upstream's kernels and at rows 2^31 elements apart.
+  (past 262,144 padded rows at D = 8,192). Patch 0017 routes both calls to
+  kernels/pack_seq.py, the int64 kernels, tested here against upstream's kernels and at rows
+  2^31 elements apart (the routing itself: tests/test_vllm_import.py).
 
 The tests marked ``gpu`` launch just past the real bound (65,537 decode tokens, 65,537 paged
 and 131,075 gathered logits rows) on a CUDA device; on a CPU they are skipped.

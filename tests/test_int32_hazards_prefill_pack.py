@@ -201,7 +201,7 @@ def test_pack_rows_past_int32(device, case):
 
 
 def test_routing_pack_and_unpack(monkeypatch, device):
-    """The entry points a patch 0017 change would call: ours on the Ampere path (fp8_sw),
+    """The entry points patch 0017 calls: ours on the Ampere path (fp8_sw),
     None elsewhere (upstream's function keeps the call)."""
     from vllm.deepinfer import routing
     from vllm.deepinfer.kernels import pack_seq as ps

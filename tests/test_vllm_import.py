@@ -409,9 +409,10 @@ def test_ampere_indexer_refuses_without_any_scorer(built, model):
     assert err == "RuntimeError" and "indexer_logits" in msg and "DeepGEMM" in msg, msg
 
 
-def test_patched_pack_seq_moves_fp8_bytes(writers):
+def test_patched_pack_seq_routes_to_ours(writers):
     v = _value(writers, "writers.pack_seq_fp8")
-    assert v == {"dtype": "torch.float8_e4m3fn", "shape": [3, 3, 4, 128], "bytes_equal": True}
+    assert v == {"dtype": "torch.float8_e4m3fn", "shape": [3, 3, 4, 128], "bytes_equal": True,
+                 "unpack_equal": True, "ours_calls": {"pack": 1, "unpack": 1}}
 
 
 def test_patched_deep_gemm_logits_route_to_ours(writers):

@@ -337,3 +337,27 @@ def test_v4_compressor_writer_launches_are_warmed(variant, gpu_like):
     # V4.1 lists no writer keys (its writers compiled during load in the same run).
     v41 = next(s for s in _models(variant) if s.model == "v41")
     assert not wu._writer_keys(v41, variant, 108)
+
+
+# ----------------------------------------------------------------------------- pack_seq
+@pytest.mark.parametrize("variant", ("sm80",))
+def test_indexer_pack_seq_launches_are_warmed(variant, gpu_like):
+    """Patch 0017's pack of the indexer's e4m3 decode Q ([tokens, 64 heads, 128] bytes) and
+    unpack of its int32 top-k rows ([B, Lmax, top-k]) at the non-uniform decode batches of
+    speculative decoding (1 + k rows per request, some requests shorter), inputs sliced at
+    odd rows as per-step buffers are."""
+    from vllm.deepinfer.kernels import pack_seq as ps
+    for shapes in _models(variant):
+        warm = _warm_keys(shapes, variant)
+        with recording(CC[variant]) as seen:
+            gpu_like(108)
+            for lens in ([6], [6, 3], [1, 2, 6, 6], [4] * 17):
+                lengths = torch.tensor(lens, **I32)
+                n = sum(lens)
+                q = torch.zeros(n + 3, shapes.index_heads, 128, dtype=torch.uint8)[3:]
+                ps.pack_seq_bytes(q.view(torch.float8_e4m3fn), lengths, 0)
+                for width in (shapes.topk, 2048):
+                    packed = torch.zeros(len(lens), max(lens), width, **I32)
+                    ps.unpack_seq(packed, lengths)
+        assert {k.fn.__name__ for k, _ in seen} == {"_pack_kernel", "_unpack_kernel"}
+        assert not _uncovered(seen, warm), "\n".join(_uncovered(seen, warm))

@@ -175,8 +175,19 @@ def deep_gemm_logits():
 
 
 def pack_seq_fp8():
-    """Patch 0017: pack_seq_triton of an e4m3 tensor moves its bytes on sm80 (pad 0)."""
-    from vllm.v1.attention.ops.common import pack_seq_triton
+    """Patch 0017: pack_seq_triton of an e4m3 tensor and unpack_seq_triton go to
+    vllm.deepinfer.kernels.pack_seq on sm80 (64-bit offsets; the pack pads 0)."""
+    from vllm.deepinfer.kernels import pack_seq as ps
+    from vllm.v1.attention.ops.common import pack_seq_triton, unpack_seq_triton
+    calls = {"pack": 0, "unpack": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapper
+    ps.pack_seq_bytes = counted("pack", ps.pack_seq_bytes)
+    ps.unpack_seq = counted("unpack", ps.unpack_seq)
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, 256, (7, 4, 128), generator=g, dtype=torch.int32)
     x = torch.where((x & 0x7F) == 0x7F, x - 1, x).to(torch.uint8).view(torch.float8_e4m3fn)
@@ -186,5 +197,9 @@ def pack_seq_fp8():
     starts = [0, 3, 4]
     for b, (s0, n) in enumerate(zip(starts, lengths.tolist())):
         want[b, :n] = x[s0:s0 + n].view(torch.uint8)
+    topk = torch.randint(-1, 1 << 20, (3, 3, 16), generator=g, dtype=torch.int32)
+    rows = unpack_seq_triton(topk, lengths)
+    want_rows = torch.cat([topk[b, :n] for b, n in enumerate(lengths.tolist())])
     return {"dtype": str(out.dtype), "shape": list(out.shape),
-            "bytes_equal": torch.equal(out.view(torch.uint8), want)}
+            "bytes_equal": torch.equal(out.view(torch.uint8), want),
+            "unpack_equal": torch.equal(rows, want_rows), "ours_calls": calls}

@@ -302,10 +302,9 @@ def pack_fp8_as_bytes(x: torch.Tensor) -> bool:
     return x.dtype == torch.float8_e4m3fn and use("fp8_sw")
 
 
-# The byte pack above runs upstream's own kernel, whose row offsets are int32 (past 262,144
-# padded rows at 64 heads x 128 bytes). These two entry points are for the change of patch 0017 that
-# routes pack_seq_triton's byte path and unpack_seq_triton to kernels.pack_seq (int64
-# offsets, upstream's bits): None where upstream's function keeps the call.
+# Patch 0017 routes pack_seq_triton's e4m3 pack and unpack_seq_triton here: upstream's
+# kernels form row offsets in int32 (past 262,144 padded rows at 64 heads x 128 bytes);
+# kernels.pack_seq moves the same rows with int64 offsets. None: upstream keeps the call.
 def pack_seq_fp8(x: torch.Tensor, lengths: torch.Tensor):
     """``pack_seq_triton`` of an e4m3 tensor on the Ampere path: ours, padded with 0 (+0.0),
     as patch 0017's byte path pads; None elsewhere."""

@@ -317,6 +317,22 @@ def _writer_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[Warmu
     return keys
 
 
+def _pack_seq_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
+    """Patch 0017's pack of the indexer's e4m3 decode Q and unpack of its int32 top-k rows
+    (feature fp8_sw, kernels/pack_seq.py): one configuration each, every integer and the
+    lengths / starts pointers unspecialized. vLLM launches them only for a decode batch
+    that is not uniform (speculative decoding, a short prefill counted as decode)."""
+    from vllm.deepinfer.kernels import pack_seq as ps
+    blocks = (("BLOCK_D", ps.BLOCK_D), ("BLOCK_T", ps.BLOCK_T))
+    return [WarmupKey("pack_seq_pack", tuple(sorted((*blocks, ("PAD", 0)))), ps.NUM_WARPS, 1),
+            WarmupKey("pack_seq_unpack", blocks, ps.NUM_WARPS, 1)]
+
+
+def _fp8_sw_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
+    return (_writer_keys(shapes, variant, sm_count)
+            + _pack_seq_keys(shapes, variant, sm_count))
+
+
 def _inverse_rope_keys(shapes: ModelShapes, variant: str, sm_count: int) -> list[WarmupKey]:
     """The Ampere classes' standalone inverse RoPE of the rows no decode epilogue rotated
     (attention/common.py, kernels/inverse_rope.py): one configuration (512-dim rows, 64
@@ -358,7 +374,7 @@ _KEYS: dict[str, Callable[[ModelShapes, str, int], list[WarmupKey]]] = {
     "sparse_mla_prefill": _prefill_keys,
     "indexer_logits": _indexer_logits_keys,
     "candidate_logits": _candidate_logits_keys,
-    "fp8_sw": _writer_keys,
+    "fp8_sw": _fp8_sw_keys,
     "ampere_attn": _ampere_attn_keys,
     "serve_warmup": _serve_warmup_keys,
 }
@@ -403,6 +419,9 @@ _KERNELS: dict[str, tuple[str, str, str]] = {
                        "_compress_sparse_attn_kernel", "_SIG"),
     "v4_compress_indexer": ("vllm.deepinfer.kernels.fp8_writers_v4_compress",
                             "_compress_indexer_kernel", "_SIG"),
+    "pack_seq_pack": ("vllm.deepinfer.kernels.pack_seq", "_pack_kernel", "PACK_SIGNATURE"),
+    "pack_seq_unpack": ("vllm.deepinfer.kernels.pack_seq", "_unpack_kernel",
+                        "UNPACK_SIGNATURE"),
     "inverse_rope": ("vllm.deepinfer.kernels.inverse_rope", "_inverse_rope_rows_kernel",
                      "SIGNATURE"),
     "ragged_count": ("vllm.deepinfer.kernels.ragged_indices", "_count_kernel",
