@@ -20,6 +20,13 @@ AVAILABLE_BYTES = 96 * GIB
 PEAK_ALLOCATED = 3 * GIB
 PEAK_RESERVED = 4 * GIB
 DEVICE_TOTAL, DEVICE_FREE = 140 * GIB, 20 * GIB
+# torch's pool at a request's end (the rest of the device's used memory is outside torch),
+# vLLM's budget (gpu_memory_utilization 0.80 x total) and its profile's activation peak.
+RESERVED_END = 118 * GIB
+REQUESTED = 112 * GIB
+PROFILE_ACTIVATION = 2 * GIB
+# Each memory_snapshot call shows one more segment of this size (a request's new segment).
+SEGMENT = 3 * 2 ** 20
 # The profiled prefill's kernels: (name, microseconds), stages as run.kernel_stage places them.
 KERNELS = (("void deep_gemm::sm90_fp8_mqa_logits<64, 128>", 500.0),   # indexer_logits
            ("_cand_logits_kernel", 100.0),                            # indexer_logits
@@ -120,7 +127,9 @@ class LLM:
     def collective_rpc(self, fn):
         spec = types.SimpleNamespace(block_size=256, page_size_bytes=256 * 584)
         worker = types.SimpleNamespace(
-            available_kv_cache_memory_bytes=AVAILABLE_BYTES,
+            available_kv_cache_memory_bytes=AVAILABLE_BYTES, requested_memory=REQUESTED,
+            total_consumed=REQUESTED - AVAILABLE_BYTES - PROFILE_ACTIVATION,
+            peak_activation_memory=PROFILE_ACTIVATION, cudagraph_memory_estimate=0,
             model_runner=types.SimpleNamespace(kv_cache_config=types.SimpleNamespace(
                 num_blocks=KV_BLOCKS,
                 kv_cache_tensors=[types.SimpleNamespace(size=AVAILABLE_BYTES // 2)] * 2,
@@ -160,6 +169,15 @@ class Direct:
         mapping[key] = value
 
 
+def _growing_snapshot():
+    segments: list = []
+
+    def snapshot():
+        segments.append(dict(address=len(segments), total_size=SEGMENT))
+        return list(segments)
+    return snapshot
+
+
 def install(patch, run) -> None:
     """torch.cuda's calls the long task makes, a ``vllm`` module with SamplingParams, and the
     stand-in profiler in ``run``."""
@@ -168,7 +186,9 @@ def install(patch, run) -> None:
                         ("reset_peak_memory_stats", lambda *a: None),
                         ("max_memory_allocated", lambda *a: PEAK_ALLOCATED),
                         ("max_memory_reserved", lambda *a: PEAK_RESERVED),
-                        ("mem_get_info", lambda *a: (DEVICE_FREE, DEVICE_TOTAL))):
+                        ("mem_get_info", lambda *a: (DEVICE_FREE, DEVICE_TOTAL)),
+                        ("memory_reserved", lambda *a: RESERVED_END),
+                        ("memory_snapshot", _growing_snapshot())):
         patch.setattr(torch.cuda, name, value)
     patch.setitem(sys.modules, "vllm", types.SimpleNamespace(
         SamplingParams=lambda **kw: types.SimpleNamespace(**kw)))

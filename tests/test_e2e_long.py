@@ -273,6 +273,13 @@ def test_rows_schema_from_run_output(fakes, tmp_path):
         assert r["peak_gib"] == F.PEAK_ALLOCATED / F.GIB
         assert r["peak_reserved_gib"] == F.PEAK_RESERVED / F.GIB
         assert r["device_used_gib"] == (F.DEVICE_TOTAL - F.DEVICE_FREE) / F.GIB
+        # device peak = torch's peak pool + what is outside torch, against vLLM's budget
+        outside = (F.DEVICE_TOTAL - F.DEVICE_FREE - F.RESERVED_END) / F.GIB
+        assert r["budget_gib"] == F.REQUESTED / F.GIB
+        assert r["device_peak_gib"] == F.PEAK_RESERVED / F.GIB + outside
+        assert r["over_budget_gib"] == r["device_peak_gib"] - F.REQUESTED / F.GIB
+        assert r["profile_activation_gib"] == F.PROFILE_ACTIVATION / F.GIB
+        assert r["new_segments_mib"] == [F.SEGMENT / 2 ** 20]
         assert (r["kv_tokens"], r["kv_num_gpu_blocks"], r["kv_block_size"]) == (
             F.KV_TOKENS, F.KV_BLOCKS, 256)
         assert r["kv_available_gib"] == 96.0 and r["run_complete"] is True

@@ -33,6 +33,7 @@ LONG_AGREE_LEN = 131072             # agreement (and the fp32 reference) at 128K
 # 20% outside it holds the prefill chunk's activations and the agreement request's prompt
 # logprobs (an 8,192 x 129,280 fp32 block per chunk).
 LONG_GPU_MEM = 0.80
+GIB = float(1 << 30)
 LONG_DECODE = 64                    # decode tokens timed per request
 LONG_QUICK_DECODE = 32              # --quick
 # Seconds a long engine may spend before its timed requests (load, profile run, KV
@@ -197,7 +198,8 @@ def long_rows(runs: dict) -> list[dict]:
                                        cuda_graphs=form == "graphs")
             mem = dict(peak_gib=q.get("peak_allocated_gib"),
                        peak_reserved_gib=q.get("peak_reserved_gib"),
-                       device_used_gib=q.get("device_used_gib"))
+                       device_used_gib=q.get("device_used_gib"),
+                       **memory_budget(kv, q))
             rows.append(dict(kernel="long_context", shape=shape("prefill"), **common,
                              ttft_s=q.get("ttft_s"), ttft_last_s=q.get("ttft_last_s"),
                              tokens_per_s=q.get("prefill_tokens_per_s"),
@@ -231,6 +233,24 @@ def long_rows(runs: dict) -> list[dict]:
                              and st.get("wall_s") else None, **sc,
                              what="wall time with no kernel running (host gaps)"))
     return rows
+
+
+def memory_budget(kv: dict, q: dict) -> dict:
+    """A request's device peak against vLLM's budget: torch's peak reserved pool plus the
+    memory outside torch at the request's end, against requested_memory (gpu_memory_utilization
+    x total), from which vLLM sized the KV cache after its profile run. over_budget_gib > 0:
+    the request used memory the profile run did not measure (it came out of the share
+    gpu_memory_utilization leaves to other processes). Empty where a figure is missing."""
+    b = (kv.get("worker") or {}).get("budget") or {}
+    req, peak, outside = (b.get("requested_memory"), q.get("peak_reserved_gib"),
+                          q.get("outside_torch_gib"))
+    if req is None or peak is None or outside is None:
+        return {}
+    device_peak = peak + outside
+    return dict(budget_gib=req / GIB, device_peak_gib=device_peak,
+                over_budget_gib=device_peak - req / GIB,
+                profile_activation_gib=(b.get("peak_activation_memory") or 0) / GIB,
+                new_segments_mib=q.get("new_segments_mib"))
 
 
 def _last_positions(ref: dict, n: int, first: int, count: int):

@@ -273,9 +273,22 @@ def serve_timed(llm, ps, steps: int, chunk: int, timeout_s: float, prof=None,
     return out
 
 
+# Segments the caching allocator created during one request, largest first, kept in its
+# memory figures: what grew past the memory vLLM's profile run measured shows by size.
+LONG_NEW_SEGMENTS = 8
+
+
+def _segments() -> dict[int, int]:
+    import torch
+    return {s["address"]: s["total_size"] for s in torch.cuda.memory_snapshot()}
+
+
 class _MemWindow:
     """Peak memory of one request: the caching allocator's unused blocks are released and the
-    peaks reset before it, so each request's figures are its own whatever ran before."""
+    peaks reset before it, so each request's figures are its own whatever ran before. Also
+    the memory outside torch's pool at its end (device used minus torch reserved: CUDA
+    context, NCCL, cuBLAS workspaces), so that the device peak can be set against vLLM's
+    budget (gpu_memory_utilization x total), and the largest segments created during it."""
 
     def __enter__(self):
         import torch
@@ -283,6 +296,10 @@ class _MemWindow:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.figures: dict = {}
+        try:
+            self._before = _segments()
+        except Exception:  # noqa: BLE001 - the segment list is a diagnostic
+            self._before = None
         return self
 
     def __exit__(self, *exc):
@@ -292,7 +309,14 @@ class _MemWindow:
             free, total = torch.cuda.mem_get_info()
             self.figures = dict(peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
                                 peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB,
-                                device_used_gib=(total - free) / GIB)
+                                device_used_gib=(total - free) / GIB,
+                                outside_torch_gib=(total - free - torch.cuda.memory_reserved())
+                                / GIB)
+            if self._before is not None:
+                new = sorted((size for a, size in _segments().items()
+                              if a not in self._before), reverse=True)
+                self.figures["new_segments_mib"] = [round(x / 2 ** 20, 1)
+                                                    for x in new[:LONG_NEW_SEGMENTS]]
         except Exception as e:  # noqa: BLE001 - a dead CUDA context: the error says why
             self.figures = dict(memory_error=f"{type(e).__name__}: {e}")
         return False
@@ -344,8 +368,15 @@ def _kv_worker_figures(worker) -> dict:
             page = None
         groups.append(dict(spec=type(spec).__name__, layers=len(g.layer_names),
                            block_size=getattr(spec, "block_size", None), page_size_bytes=page))
+    # vLLM's budget and its profile run's measurements (gpu_worker.determine_available_memory):
+    # requested = gpu_memory_utilization x total; KV = requested - total_consumed - activation
+    # peak (the transient torch peak of the profile run, with the CUDA-graph estimate).
+    budget = {k: getattr(worker, k, None) for k in (
+        "requested_memory", "total_consumed", "peak_activation_memory",
+        "cudagraph_memory_estimate")}
     return dict(available_kv_cache_memory_bytes=getattr(
-        worker, "available_kv_cache_memory_bytes", None), num_blocks=cfg.num_blocks,
+        worker, "available_kv_cache_memory_bytes", None), budget=budget,
+        num_blocks=cfg.num_blocks,
         tensor_bytes=sum(t.size for t in cfg.kv_cache_tensors), groups=groups)
 
 
