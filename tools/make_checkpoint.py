@@ -3,6 +3,7 @@
 
     python tools/make_checkpoint.py CONFIG_DIR --format {bf16,fp8,mxfp8} --out DIR
                                     [--seed N] [--set KEY=JSON ...] [--list]
+                                    [--spec {mtp,dspark}]
 
 CONFIG_DIR holds a Hugging Face config.json (benchmarks/e2e/configs/*). The output folder
 gets config.json (with the "quantization_config" of the format), safetensors shards plus
@@ -56,7 +57,9 @@ from ckptgen.formats import (E2M1_GRID, E2M1_MAX, E4M3_MAX, ENGRAM_SCALE_BLOCK, 
                              FORMATS, LINEAR_BLOCK, MXFP4_BLOCK, dequantize_fp8_blocks,
                              dequantize_mxfp4, e8m0_from_exponent, e8m0_to_float,
                              quantize_fp8_blocks, quantize_mxfp4, ue8m0_exponent)
-from ckptgen.tensors import Spec, tensor_specs, v4_layer_specs, v41_layer_specs  # noqa: E402,F401
+from ckptgen.spec import SPEC_METHODS, apply_spec, spec_tensor_specs  # noqa: E402
+from ckptgen.tensors import Spec, v4_layer_specs, v41_layer_specs  # noqa: E402,F401
+from ckptgen.tensors import tensor_specs as target_tensor_specs  # noqa: E402
 
 # Initial-value scales (see the module docstring).
 # Norm weights: 1 + N(0, NORM_JITTER) -- trained RMSNorm gains sit near 1.
@@ -92,6 +95,12 @@ MAX_THREADS = 8
 
 
 # --------------------------------------------------------------------------- values
+def tensor_specs(cfg: ModelConfig) -> list[Spec]:
+    """The target's tensors, then the speculative draft's the config declares
+    (ckptgen/spec.py: V4 MTP, V4.1/V4 DSpark; none without one)."""
+    return target_tensor_specs(cfg) + spec_tensor_specs(cfg)
+
+
 def name_seed(seed: int, name: str) -> int:
     """A 63-bit generator seed from (seed, tensor name): values do not depend on the
     order or presence of other tensors."""
@@ -328,8 +337,13 @@ def main(argv=None) -> int:
                     help="tensors drawn in parallel (default: torch's thread count, "
                     f"at most {MAX_THREADS})")
     ap.add_argument("--list", action="store_true", help="print the tensor table only")
+    ap.add_argument("--spec", choices=SPEC_METHODS, default=None,
+                    help="add a speculative draft's config keys (defaults where the "
+                    "config lacks them) and tensors: V4 MTP or V4.1/V4 DSpark "
+                    "(ckptgen/spec.py); a config with the keys gets them anyway")
     args = ap.parse_args(argv)
     cfg = load_config(args.config_dir, parse_set(args.set))
+    apply_spec(cfg, args.spec)
     if args.list:
         for name, shape, dtype in checkpoint_table(cfg, args.format):
             print(f"{name}\t{list(shape)}\t{str(dtype).removeprefix('torch.')}")
