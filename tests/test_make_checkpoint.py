@@ -534,4 +534,4 @@ def test_written_files_match_the_table(probe, config, fmt):
         assert qc["quant_method"] == "fp8" and qc["scale_fmt"] == "ue8m0"
         assert qc["weight_block_size"] == ([32, 32] if fmt == "mxfp8" else [128, 128])
         assert (qc.get("expert_dtype") if v41 else f["expert_dtype_top"]) == "fp4"
-    assert f["tokenizer"] == v41
+    assert f["tokenizer"]   # every checkpoint ships one (ckptgen/tokenizer.py)

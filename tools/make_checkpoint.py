@@ -8,9 +8,9 @@
 CONFIG_DIR holds a Hugging Face config.json (benchmarks/e2e/configs/*). The output folder
 gets config.json (with the "quantization_config" of the format), safetensors shards plus
 model.safetensors.index.json under the tensor names of the published checkpoints (the
-names vLLM's ``load_weights`` and ``hf_to_vllm_mapper`` take as input), and, when the
-model has Engram layers, a word-level tokenizer (vLLM builds Engram's n-gram token map
-from the model's tokenizer at start-up).
+names vLLM's ``load_weights`` and ``hf_to_vllm_mapper`` take as input), and a word-level
+tokenizer over the vocabulary (tools/ckptgen/tokenizer.py: ``vllm serve`` and ``vllm bench
+serve`` need one, and vLLM builds Engram's n-gram token map from it at start-up).
 
 Formats (the published layouts; see benchmarks/e2e/README.md):
   bf16   no quantization_config: linears and routed experts bf16, mHC/sink/bias fp32.
@@ -60,6 +60,7 @@ from ckptgen.formats import (E2M1_GRID, E2M1_MAX, E4M3_MAX, ENGRAM_SCALE_BLOCK, 
 from ckptgen.spec import SPEC_METHODS, apply_spec, spec_tensor_specs  # noqa: E402
 from ckptgen.tensors import Spec, v4_layer_specs, v41_layer_specs  # noqa: E402,F401
 from ckptgen.tensors import tensor_specs as target_tensor_specs  # noqa: E402
+from ckptgen.tokenizer import write_for_config, write_tokenizer  # noqa: E402,F401
 
 # Initial-value scales (see the module docstring).
 # Norm weights: 1 + N(0, NORM_JITTER) -- trained RMSNorm gains sit near 1.
@@ -211,22 +212,6 @@ def checkpoint_table(cfg: ModelConfig, fmt: str) -> list[tuple[str, tuple[int, .
 
 
 # --------------------------------------------------------------------------- writing
-def write_tokenizer(out: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with tokens "t0" .. "t{V-1}": each normalizes to a distinct
-    string, so vLLM's Engram compressed vocabulary has exactly vocab_size entries."""
-    try:
-        from tokenizers import Tokenizer, models, pre_tokenizers
-    except ImportError as e:
-        raise ToolError("Engram layers need a tokenizer beside the weights and writing it "
-                        "needs the `tokenizers` package (pip install tokenizers)") from e
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0",
-         "model_max_length": 1 << 20}, indent=2) + "\n")
-
-
 def _materialize_all(specs: list[Spec], fmt: str, seed: int, threads: int):
     """materialize() of every Spec, in order, on a thread pool (torch releases the GIL;
     each tensor has its own generator, so the values do not depend on the schedule).
@@ -250,7 +235,7 @@ def _materialize_all(specs: list[Spec], fmt: str, seed: int, threads: int):
 def write_checkpoint(cfg: ModelConfig, fmt: str, out: Path, seed: int = 0,
                      shard_bytes: int = SHARD_BYTES, threads: int | None = None,
                      log=print) -> dict:
-    """Write config.json, the shards and their index (and the tokenizer for Engram)."""
+    """Write config.json, the tokenizer, the shards and their index."""
     if fmt not in FORMATS:
         raise ToolError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     if fmt == "mxfp8" and cfg.kind != "deepseek_v41":
@@ -266,8 +251,7 @@ def write_checkpoint(cfg: ModelConfig, fmt: str, out: Path, seed: int = 0,
         raise ToolError(f"--out {out}: folder exists and is not empty; pick a new folder")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(output_config(cfg, fmt), indent=2) + "\n")
-    if cfg.get("engram_layer_ids"):
-        write_tokenizer(out, int(cfg.need("vocab_size")))
+    write_for_config(out, cfg.raw)   # ckptgen/tokenizer.py: every checkpoint ships one
 
     specs = tensor_specs(cfg)
     if threads is None:
