@@ -11,6 +11,16 @@ import json
 import re
 import statistics
 
+# e2e row kernels of the per-rank shapes (e2e.py --models per-rank, benchmarks/e2e/
+# e2e_models.PER_RANK_ROWS) -> the e2e.py step that writes them. results_index.E2E_STEP
+# includes them; they are kept here because results_index.py is at its 600-line limit
+# (tests/test_layout.py).
+PER_RANK_STEP = {"per_rank_sm80_audit": "agree --models per-rank (sm_80 audit)",
+                 "per_rank_agreement": "agree, graphs --models per-rank",
+                 "per_rank_vs_fp32_reference": "reference --models per-rank",
+                 "per_rank_reference_check": "reference --models per-rank (check)",
+                 "per_rank_zero_compile": "nocompile --models per-rank"}
+
 
 def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -66,14 +76,15 @@ def headline_e2e(kernel: str, rows: list) -> str:
                    if _shape(r)[size] == top and _num(r.get("tokens_per_s"))]
             out.append(f"{phase} {size} {top} tok/s: " + ", ".join(per))
         return "; ".join(out) or f"{len(rows)} rows"
-    if kernel in ("e2e_agreement", "e2e_vs_fp32_reference"):
+    if kernel in ("e2e_agreement", "e2e_vs_fp32_reference", "per_rank_agreement",
+                  "per_rank_vs_fp32_reference"):
         parts = []
         for v, rs in sorted(_by_variant(rows).items()):
             t = [r["top1_agree"] for r in rs if _num(r.get("top1_agree"))]
             if t:
                 parts.append(f"{v} {_f(min(t), 3)}")
         return ("top-1 agreement, lowest: " + ", ".join(parts)) if parts else f"{len(rows)} rows"
-    if kernel == "sm80_audit":
+    if kernel in ("sm80_audit", "per_rank_sm80_audit"):
         parts = []
         for r in rows:
             failed = r.get("failed")

@@ -32,6 +32,13 @@
            (kernel="e2e_agreement"). Partial outputs of stopped engines are reported.
 9. long_reference  the fp32 reference of that 128K prompt (reference.py on this GPU); rows
            kernel="e2e_vs_fp32_reference" and "e2e_reference_check" for the long models.
+--models picks the models of the agree, graphs, reference and nocompile steps (and yoco's):
+the agreement models (default), or per-rank shapes: configs/v41-tp{2,4,8}-mini and
+v4-tp{2,4,8}-mini hold one rank of TP 2 / 4 / 8 of v41-mini / v4-mini (32 / 16 / 8 heads,
+4 / 2 / 1 o_groups; e2e_models.PER_RANK_MODELS), served on this one GPU at TP 1 and held to
+the same rules; their rows take the per_rank_* kernels (e2e_models.PER_RANK_ROWS) and, alone,
+a results file of their own (-e2e-per-rank-). --agree-modes narrows the agree and graphs
+steps' modes (the reference rule needs a100 and upstream).
 Writes benchmarks/results/<gpu>-<date>-e2e-<commit>.json (rows: e2e, e2e_agreement,
 sm80_audit, ...; -e2e-long- when only the long steps ran); benchmarks/charts.py draws them.
 Engines of the agreement steps run side by side on the GPU (--parallel), the throughput and
@@ -55,7 +62,9 @@ sys.path.insert(0, str(HERE))
 import compare  # noqa: E402
 # The checkpoints and modes, the long step and the reference check live in their own modules;
 # their names are re-exported here (the tests use them as e2e.<name>).
-from e2e_models import AGREE_MODELS, MODELS, MODES, TPUT_MODEL  # noqa: E402
+from e2e_models import (  # noqa: E402
+    AGREE_MODELS, BASE_KERNEL, MODELS, MODES, PER_RANK_MODELS, PER_RANK_TPS, TPUT_MODEL,
+    per_rank_rows)
 from long_step import (  # noqa: E402,F401
     LONG_AGREE_LEN, LONG_DECODE, LONG_FORMS, LONG_GPU_MEM, LONG_LENS, LONG_MODELS, LONG_MODES,
     LONG_QUICK_DECODE, LONG_START_S, long_agreement_rows, long_command, long_jobs,
@@ -144,7 +153,8 @@ def make_checkpoints(work: Path, names, dense: bool) -> None:
         # also does 8 x 512 intermediate columns per token, nearer the released V4.1's 7 x 2048
         # than top-2 of 8.
         extra = (dense_routing(HERE / "configs" / cfg)
-                 if dense and name in AGREE_MODELS + LONG_MODELS else [])
+                 if dense and name in AGREE_MODELS + LONG_MODELS + tuple(PER_RANK_MODELS)
+                 else [])
         sh([sys.executable, str(REPO / "tools" / "make_checkpoint.py"),
             str(HERE / "configs" / cfg), "--format", fmt, "--out", str(out), *extra],
            work / f"ckpt-{name}.log")
@@ -226,10 +236,39 @@ def _fmt(v, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+# --models: names of the agreement-style models, or these groups of them.
+MODEL_GROUPS = {"agree": AGREE_MODELS, "per-rank": tuple(PER_RANK_MODELS),
+                **{f"tp{tp}": tuple(n for n, (_, t) in PER_RANK_MODELS.items() if t == tp)
+                   for tp in PER_RANK_TPS}}
+
+
+def select_models(spec: str) -> tuple[str, ...]:
+    """The models ``--models`` names (comma-separated names of AGREE_MODELS and
+    PER_RANK_MODELS, or MODEL_GROUPS), in order, each once."""
+    out: list[str] = []
+    for part in (p for p in spec.split(",") if p):
+        for name in MODEL_GROUPS.get(part, (part,)):
+            if name not in AGREE_MODELS and name not in PER_RANK_MODELS:
+                raise ValueError(f"unknown model {name!r}; known: "
+                                 f"{', '.join([*MODEL_GROUPS, *AGREE_MODELS, *PER_RANK_MODELS])}")
+            if name not in out:
+                out.append(name)
+    if not out:
+        raise ValueError("no model named")
+    return tuple(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/deepinfer-e2e")
     ap.add_argument("--steps", default="ckpt,agree,graphs,tput,nocompile,reference")
+    ap.add_argument("--models", default="agree",
+                    help="models of the agree, graphs, reference, nocompile and yoco steps: "
+                    "names or groups (agree: v41-mini,v4-mini; per-rank: every per-rank "
+                    "shape; tp2, tp4, tp8: both models' rank of that TP), comma-separated")
+    ap.add_argument("--agree-modes", default=",".join(MODES),
+                    help="modes of the agree and graphs steps (default: all of MODES; "
+                    "the reference check needs a100 and upstream)")
     ap.add_argument("--parallel", type=int, default=3, help="agreement engines at once")
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer shapes")
     ap.add_argument("--yoco-modes", default=",".join(YOCO_MODES),
@@ -278,6 +317,17 @@ def main() -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     steps = set(args.steps.split(","))
+    try:
+        models = select_models(args.models)
+    except ValueError as e:
+        ap.error(f"--models: {e}")
+    if "yoco" in steps and set(models) & set(PER_RANK_MODELS):
+        ap.error("--steps yoco serves the agreement models only (its rows have no per-rank "
+                 "kind); drop the per-rank models or the yoco step")
+    agree_modes = [m for m in args.agree_modes.split(",") if m]
+    if not agree_modes or sorted(set(agree_modes) - set(MODES)):
+        ap.error(f"--agree-modes: unknown {', '.join(sorted(set(agree_modes) - set(MODES)))}; "
+                 f"known: {', '.join(MODES)}")
     long_opts = long_options(args, ap) if steps & {"long", "long_reference"} else None
     agree_extra = ["--gpu-mem", str(round(0.9 / args.parallel, 2))]
     if not args.profile_memory:
@@ -294,7 +344,7 @@ def main() -> int:
     if "ckpt" in steps:
         # The agreement models serve every step but tput.
         agree_needed = bool(steps & {"agree", "reference", "graphs", "yoco", "nocompile"})
-        make_checkpoints(work, (set(AGREE_MODELS) if agree_needed else set())
+        make_checkpoints(work, (set(models) if agree_needed else set())
                          | ({TPUT_MODEL} if "tput" in steps else set())
                          | (set(long_opts["models"]) if long_opts else set()),
                          dense=not args.sparse_routing)
@@ -302,25 +352,26 @@ def main() -> int:
     # "eager", "graphs", "nocompile".
     jobs: list[tuple[str, str, str]] = []
     if "agree" in steps:
-        jobs += [(n, m, "eager") for n in AGREE_MODELS for m in MODES]
+        jobs += [(n, m, "eager") for n in models for m in MODES if m in agree_modes]
     # The fp32 reference runs beside the engines (a few GiB of the GPU's memory; the agreement
     # engines have a fixed KV cache).
     if "reference" in steps:
-        jobs += [(n, "fp32", "reference") for n in AGREE_MODELS]
+        jobs += [(n, "fp32", "reference") for n in models]
     if "graphs" in steps:
-        jobs += [(n, m, "graphs") for n in AGREE_MODELS for m in ("a100", "upstream")]
+        jobs += [(n, m, "graphs") for n in models for m in ("a100", "upstream")
+                 if m in agree_modes]
     if "yoco" in steps:
         yoco_modes = [m for m in args.yoco_modes.split(",") if m]
         unknown = sorted(set(yoco_modes) - set(YOCO_MODES))
         if unknown:
             ap.error(f"--yoco-modes: unknown {', '.join(unknown)}; known: {', '.join(YOCO_MODES)}")
-        jobs += [(n, m, "eager") for n in AGREE_MODELS for m in yoco_modes]
+        jobs += [(n, m, "eager") for n in models for m in yoco_modes]
     if "nocompile" in steps:
-        jobs += [(n, "a100", "nocompile") for n in AGREE_MODELS]
+        jobs += [(n, "a100", "nocompile") for n in models]
     if "reference" in steps:
-        jobs += [(n, "fp32", "reference_kvfp8") for n in AGREE_MODELS]
+        jobs += [(n, "fp32", "reference_kvfp8") for n in models]
     if "graphs" in steps:
-        jobs += [(n, "sm90", "graphs") for n in AGREE_MODELS]
+        jobs += [(n, "sm90", "graphs") for n in models if "sm90" in agree_modes]
     jobs = [j for i, j in enumerate(jobs) if j not in jobs[:i] and not _out(work, *j).exists()]
 
     def job(ij):
@@ -394,7 +445,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                              tilelang_compiles=a["tilelang_compiles"],
                              compiles_by_phase=a["compiles_by_phase"],
                              selections=r.get("selections"), detail=a))
-    for name in AGREE_MODELS:
+    for name in AGREE_MODELS + tuple(PER_RANK_MODELS):
         for eager in (True, False):
             got = {m: runs.get((name, m, eager)) for m in MODES}
             for a, b in (("a100", "upstream"), ("sm90", "upstream"), ("a100", "sm90")):
@@ -480,6 +531,8 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
             break
     if not sample:
         sample = next(iter(lruns.values()), None) or {}
+    # The per-rank models' rows under their own kernels (e2e_models.PER_RANK_ROWS).
+    rows = per_rank_rows(rows)
     meta = dict(_meta(sample), date=datetime.date.today().isoformat(), failed_runs=failed_runs,
                 note="H200 figures; the a100 mode emulates an A100's kernel selection on the "
                      "H200 (DEEPINFER_EMULATE_CAPABILITY=8.0): its speeds are not A100 speeds")
@@ -487,49 +540,53 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
     # A run of the long step alone gets its own file name (its rows come from its work folder).
     kind = "e2e-long" if set(args.steps.split(",")) <= {"ckpt", "long", "long_reference"} \
         else "e2e"
+    # Rows of per-rank models alone: a file of their own beside a 64-head run's.
+    if rows and all((r.get("shape") or {}).get("model") in PER_RANK_MODELS for r in rows):
+        kind = "e2e-per-rank"
     out = Path(args.results) / f"{gpu}-{meta['date']}-{kind}-{(sample.get('commit') or 'dev')[:7]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(dict(meta=meta, rows=rows), open(out, "w"), indent=1)
     print(f"wrote {out} ({len(rows)} rows; failed runs: {failed_runs or 'none'})")
     for row in rows:
-        if row["kernel"] == "e2e_agreement":
+        k = BASE_KERNEL.get(row["kernel"], row["kernel"])  # per-rank rows print as theirs
+        if k == "e2e_agreement":
             print(f"  {row['shape']}  {row['variant']:24s} top1 {row['top1_agree']:.4f}  "
                   f"max|dlp| {row['max_abs_dlogprob']:.4f}")
-        elif row["kernel"] in ("yoco_e2e", "e2e_repeat"):
+        elif k in ("yoco_e2e", "e2e_repeat"):
             print(f"  {row['shape']}  {row['variant']:24s} identical {row['identical']}  "
                   f"max|dlp| {row['max_abs_dlogprob']:.4g}")
-        elif row["kernel"] == "zero_compile":
+        elif k == "zero_compile":
             w = row.get("warmup_seconds") or {}
             print(f"  zero compile {row['shape']['model']}: "
                   f"{'PASS' if row['passed'] else 'FAIL'}, {len(row['serve_compiles'])} "
                   f"compile(s) while serving; JIT warmup {w.get('vllm_jit_warmup', 0):.1f}s "
                   f"of which ours {w.get('deepinfer_keys', 0):.1f}s")
-        elif row["kernel"] == "e2e_vs_fp32_reference":
+        elif k == "e2e_vs_fp32_reference":
             print(f"  {row['shape']['model']} {row['shape']['reference']:22s} {row['variant']:9s}"
                   f" graphs={row['shape']['cuda_graphs']!s:5s} top1 {row['top1_agree']:.4f} "
                   f"max|dlp| {row['max_abs_dlogprob']:.4f} mean {row['mean_abs_dlogprob']:.4f}")
-        elif row["kernel"] == "e2e_reference_check":
+        elif k == "e2e_reference_check":
             print(f"  reference check {row['shape']['model']} {row['shape']['reference']}: "
                   f"{'PASS' if row['passed'] else 'FAIL'} a100 {row['a100']} upstream "
                   f"{row['upstream']} margin {row['margin']}")
-        elif row["kernel"] == "yoco_verify":
+        elif k == "yoco_verify":
             print(f"  yoco verify {row['shape']['model']} {row['variant']}: "
                   f"{'PASS' if row['passed'] else 'FAIL'}, {row['compared']} reused "
                   f"products compared, {row['mismatches']} differ; not compared: "
                   f"{row['kinds_not_compared'] or 'none'}")
-        elif row["kernel"] == "long_context":
+        elif k == "long_context":
             s = row["shape"]
             print(f"  {s['model']} {row['variant']:9s} graphs={s['cuda_graphs']!s:5s} "
                   f"{s['phase']:7s} L{s['prompt_len']:<8d} b{s['batch']}: "
                   + (f"{row['tokens_per_s']:10.1f} tok/s  ttft {_fmt(row['ttft_s'], '.2f')} s"
                      f"  peak {_fmt(row['peak_gib'], '.1f')} GiB  kv {row['kv_tokens']}"
                      if row["tokens_per_s"] is not None else f"failed: {row['error']}"))
-        elif row["kernel"] == "long_context_stage":
+        elif k == "long_context_stage":
             s = row["shape"]
             print(f"  {s['model']} {row['variant']:9s} graphs={s['cuda_graphs']!s:5s} stage "
                   f"L{s['prompt_len']} {s['stage']:15s} "
                   + ("n/a" if row["seconds"] is None else f"{row['seconds']:.2f} s"))
-        elif row["kernel"] == "e2e":
+        elif k == "e2e":
             print(f"  {row['variant']:9s} {row['shape']['phase']:8s} b{row['shape']['batch']:<3d} "
                   f"L{row['shape']['prompt_len']:<6d} "
                   + (f"{row['tokens_per_s']:10.1f} tok/s" if row["tokens_per_s"] is not None

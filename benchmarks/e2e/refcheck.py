@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import compare
-from e2e_models import AGREE_MODELS, MODES
+from e2e_models import AGREE_MODELS, BASE_KERNEL, MODES, PER_RANK_MODELS, per_rank_rows
 
 
 def ref_out(work: Path, name: str, kv_fp8: bool) -> Path:
@@ -52,7 +52,7 @@ def reference_rows(work: Path, runs: dict) -> list[dict]:
     finding. (a100's own spread is reported, not used: a noisier a100 gets no wider margin.) ``passed_eager_only`` keeps the first form of
     the rule (a100 eager against upstream eager, margin upstream's own spread) beside it."""
     rows = []
-    for name in AGREE_MODELS:
+    for name in AGREE_MODELS + tuple(PER_RANK_MODELS):
         for kv_fp8 in (False, True):
             f = ref_out(work, name, kv_fp8)
             if not f.exists():
@@ -101,11 +101,12 @@ def reference_check(got: dict, shape: dict) -> dict | None:
 
 def recheck(results: Path) -> list[dict]:
     """The reference check applied anew to the ``e2e_vs_fp32_reference`` rows of an earlier
-    results file (its runs' distances to each reference), e.g. after the rule changed."""
+    results file (its runs' distances to each reference), e.g. after the rule changed. Rows of
+    per-rank models (``per_rank_vs_fp32_reference``) give ``per_rank_reference_check`` rows."""
     rows = json.load(open(results))["rows"]
     groups: dict[tuple, dict] = {}
     for r in rows:
-        if r["kernel"] != "e2e_vs_fp32_reference":
+        if BASE_KERNEL.get(r["kernel"], r["kernel"]) != "e2e_vs_fp32_reference":
             continue
         s = r["shape"]
         g = groups.setdefault((s["model"], s["reference"], tuple(s["prompt_lens"])), {})
@@ -115,4 +116,4 @@ def recheck(results: Path) -> list[dict]:
         check = reference_check(got, dict(model=model, reference=ref, prompt_lens=list(lens)))
         if check:
             out.append(dict(check, source=Path(results).name))
-    return out
+    return per_rank_rows(out)
