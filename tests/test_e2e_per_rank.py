@@ -144,6 +144,11 @@ def test_a_tp_degree_runs_what_the_reference_rule_needs(monkeypatch, tmp_path):
     assert pairs == {"a100_vs_upstream", "a100_eager_vs_graphs", "upstream_eager_vs_graphs"}
     zc = [r for r in out["rows"] if r["kernel"] == "per_rank_zero_compile"]
     assert {r["shape"]["model"] for r in zc} == set(names) and all(r["passed"] for r in zc)
+    # --steps none starts nothing and writes the same rows again from the work folder.
+    res.unlink()
+    n = len(started)
+    again = _main(monkeypatch, tmp_path, ["--models", "per-rank", "--steps", "none"], sh)
+    assert len(started) == n and again["rows"] == out["rows"]
 
 
 def test_per_rank_rows_beside_64_head_rows(monkeypatch, tmp_path):
