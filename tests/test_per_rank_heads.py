@@ -20,7 +20,8 @@ is tested here is the head dimension:
 * the standalone inverse RoPE (kernels/inverse_rope.py, 16-head programs) on the first
   8 / 16 / 32 heads of a wider tensor: the rows outside the view keep their bytes;
 * V4's fused inverse RoPE + fp8 quant (kernels/fp8_writers_v4.py) with 1, 2 and 4 o_groups
-  of 8 heads, byte for byte against upstream's kernel;
+  of 8 heads, byte for byte against upstream's kernel; the Ampere attention classes' bf16
+  o_proj at one o_group of 8 heads (the patched vLLM, CPU);
 * the JIT warmup at every head count: a per-rank config on one GPU warms what a rank of
   the full model warms, and every decode / prefill / inverse-RoPE launch at 8 to 128 heads
   finds a warmed key (tests/launch_keys.py).
@@ -300,6 +301,54 @@ def test_inv_rope_fp8_quant_per_rank_groups_match_upstream(upstream, device, n_g
             tfw._assert_same(sc.transpose(0, 1).as_strided((n,), (1,)),
                              ref_sc.as_strided((ref_sc.untyped_storage().nbytes() // 4,), (1,)),
                              f"{v} scales, {n_groups} groups")
+
+
+# ----------------------------------------------------------------------------- attention classes
+# tests/vllm_import_probe.py's construct scenario with one rank of TP 8's attention: 8 heads in
+# one o_group (the probe's own configs have 8 heads in 2 groups). Its o_proj checks then run
+# the Ampere classes' bf16 wo_a copy and einsum at groups = 1, heads_per_group = 8.
+_ONE_GROUP = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+import vllm_probe_common as c
+base = c.hf_config
+def hf(model):
+    h = base(model)
+    h.num_attention_heads, h.o_groups = 8, 1
+    return h
+c.hf_config = hf
+import vllm_import_probe as p
+for name in ("o_proj", "wo_a_fp8_survives_repack"):
+    def shaped(layer, vcfg, f=getattr(p, name)):
+        return dict(f(layer, vcfg), heads=layer.n_local_heads, groups=layer.n_local_groups)
+    setattr(p, name, shaped)
+sys.exit(p.main())
+"""
+
+
+def test_ampere_classes_at_one_o_group():
+    """The V4.1 and V4 Ampere attention classes built by the patched vLLM (CPU) with 8 heads
+    in one o_group: the o_proj (wo_a dequantized to bf16 once, [1, o_rank, 8 x 512]) within
+    the probe's bound of the fp32 reference, from bf16 and from fp8 wo_a weights."""
+    import json
+    import sys
+
+    import subproc
+    import test_vllm_import as tvi
+    tvi._need_tree()
+    r = subproc.run([sys.executable, "-c", _ONE_GROUP, "construct", str(tvi.REPO / "tests")],
+                    env=tvi._probe_env(), cwd=tvi.REPO, cap=300)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    res = json.loads(lines[-1])
+    assert res["_scenario"]["ok"], res["_scenario"]
+    for model in tvi.MODELS:
+        for key in ("o_proj", "o_proj_fp8_wo_a"):
+            v = tvi._value(res, f"{model}/{key}")
+            assert (v["heads"], v["groups"]) == (8, 1), (model, key, v)
+            assert v["max_abs_err"] <= 0.02 * v["ref_scale"] + 1e-3, (model, key, v)
+        assert tvi._value(res, f"{model}/o_proj")["cached_bf16"]
+        assert tvi._value(res, f"{model}/layer1")["padded_heads"] == 8
 
 
 # ----------------------------------------------------------------------------- warmup
