@@ -41,6 +41,9 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
     tput = [r for r in rows if r["kernel"] == "e2e" and r.get("tokens_per_s") is not None]
     if tput:
         written.append(chart_e2e(tput, meta, out_dir / f"{path.stem}-throughput.png"))
+    serve = [r for r in rows if r["kernel"] == "serve" and r.get("output_tok_s") is not None]
+    if serve:
+        written.append(chart_serve(serve, meta, out_dir / f"{path.stem}-serve.png"))
     long_rows = [r for r in rows if r["kernel"] == "long_context"]
     if long_rows:
         written.append(chart_long(long_rows, [r for r in rows if r["kernel"] == "long_context_stage"],
@@ -101,6 +104,51 @@ def chart_e2e(rs: list[dict], meta: dict, out: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(f"vLLM serving throughput, {rs[0]['shape']['model']} — {meta['gpu']} "
                  f"(a100 = A100-faithful kernel choice run on this GPU, not an A100)", fontsize=9)
+    return _save(fig, out)
+
+
+def serve_series(rs: list[dict]) -> dict:
+    """The serve chart's data (rows kernel="serve"): per (input_len, output_len) and metric
+    ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50"), per line key (variant, cuda_graphs) the
+    (concurrency, value) points sorted by concurrency. Rows without the value are left out."""
+    out: dict = {}
+    for r in rs:
+        s = r["shape"]
+        for what in ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50"):
+            if r.get(what) is not None:
+                out.setdefault((s["input_len"], s["output_len"]), {}).setdefault(what, {}) \
+                    .setdefault((r["variant"], s.get("cuda_graphs", False)), []) \
+                    .append((s["concurrency"], r[what]))
+    for by_metric in out.values():
+        for lines in by_metric.values():
+            for pts in lines.values():
+                pts.sort()
+    return out
+
+
+def chart_serve(rs: list[dict], meta: dict, out: Path) -> Path:
+    """vllm serve measured by vllm bench serve (rows kernel="serve"): output tok/s, TTFT and
+    TPOT medians against the concurrency, one row of plots per (input, output) length, one
+    line per mode."""
+    import matplotlib.pyplot as plt
+    d = serve_series(rs)
+    shapes = sorted(d)
+    metrics = (("output_tok_s", "output tokens/s (higher is better)"),
+               ("ttft_ms_p50", "TTFT median, ms"), ("tpot_ms_p50", "TPOT median, ms"))
+    fig, axes = plt.subplots(len(shapes), 3, figsize=(16, 4.2 * len(shapes)), squeeze=False)
+    for row, shp in zip(axes, shapes):
+        for ax, (what, ylabel) in zip(row, metrics):
+            for (variant, graphs), pts in d[shp].get(what, {}).items():
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        label=f"{variant}{' graphs' if graphs else ' eager'}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency (vllm bench serve --max-concurrency)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{shp[0]} in / {shp[1]} out", fontsize=9)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"vllm serve, {rs[0]['shape']['model']} — {meta.get('gpu')} (vLLM "
+                 f"{meta.get('vllm')}; a100 = A100-faithful kernel choice run on this GPU, "
+                 "not an A100)", fontsize=9)
     return _save(fig, out)
 
 
