@@ -39,7 +39,7 @@ STEP_MAKEFLAGS ?=
 
 .PHONY: help venv venv-base upstream upstream-kernels patched combined combined-check overlay apply \
         refresh check-tree gate verify verify-steps verify-exact test test-steps test-suite \
-        results-index results-index-check bench gate-mhc charts clean e2e
+        results-index results-index-check bench gate-mhc charts clean e2e serve-bench
 
 help:
 	@echo "make verify   fetch vLLM 0.33.0, apply the series, build the combined patch and overlay,"
@@ -53,6 +53,7 @@ help:
 	@echo "make refresh TREE=path              regenerate the patches from an edited tree"
 	@echo "make patched  build/patched: the sdist with the series applied (tests/test_vllm_import.py)"
 	@echo "make combined | combined-check | overlay | gate | gate-mhc | bench | charts"
+	@echo "make e2e | serve-bench   (GPU, vLLM 0.33.0 installed: docs/e2e.md)"
 
 # Two stages, so that the Triton gate and the exactness tests start once torch, Triton and
 # pytest are in (stage .ok: requirements-test.txt) while vLLM's import packages go in beside
@@ -188,6 +189,16 @@ e2e: $(BUILD)/overlay/MANIFEST.json
 	  $(HOSTPY) tools/install_overlay.py restore; fi
 	$(HOSTPY) tools/install_overlay.py install --overlay $(BUILD)/overlay
 	PYTHONUNBUFFERED=1 $(HOSTPY) benchmarks/e2e/e2e.py $(E2E_ARGS)
+
+# GPU + an installed vLLM 0.33.0: the overlay installed as for e2e, then
+# benchmarks/e2e/serve.py (docs/e2e.md, "Serving through vllm serve"): `vllm serve` in the
+# a100, upstream and default modes, its OpenAI API checked, `vllm bench serve` at 1K/128 and
+# 8K/256, concurrency 1-64. SERVE_ARGS passes options, e.g. SERVE_ARGS="--quick".
+serve-bench: $(BUILD)/overlay/MANIFEST.json
+	if $(HOSTPY) tools/install_overlay.py status >/dev/null 2>&1; then \
+	  $(HOSTPY) tools/install_overlay.py restore; fi
+	$(HOSTPY) tools/install_overlay.py install --overlay $(BUILD)/overlay
+	PYTHONUNBUFFERED=1 $(HOSTPY) benchmarks/e2e/serve.py $(SERVE_ARGS)
 
 $(BUILD)/overlay/MANIFEST.json:
 	$(MAKE) overlay
