@@ -285,6 +285,8 @@ def run_group(ctx: Ctx, modes: list[str], gpu_mem: float) -> list[dict]:
         for old in d.glob("*.json"):
             old.unlink()
         port = serve_proc.free_port(args.host)
+        while port in {int(x.base_url.rsplit(":", 1)[1]) for x in servers.values()}:
+            port = serve_proc.free_port(args.host)
         argv = server_argv(args, ctx.ckpt, ctx.served, port, gpu_mem)
         servers[mode] = serve_proc.Server(mode, argv, server_env(mode, args.work),
                                           d / "server.log", f"http://{args.host}:{port}")
@@ -323,7 +325,7 @@ def run_group(ctx: Ctx, modes: list[str], gpu_mem: float) -> list[dict]:
                 ctx.not_done.append(f"{m}/api")
                 continue
             rs = serve_api.api_rows(servers[m].base_url, ctx.served, args.max_model_len, m,
-                                    ctx.label)
+                                    ctx.label, deadline=_DEADLINE[0] - STOP_RESERVE_S)
             rows[m] += rs
             print(f"[{m}] {serve_api.summary(rs)}", flush=True)
             servers[m].note_pids()
@@ -352,8 +354,7 @@ def run_group(ctx: Ctx, modes: list[str], gpu_mem: float) -> list[dict]:
         # end those processes so nothing outlives the benchmark.
         mem = serve_proc.memory_returned(before, read, s.seen_pids if visible[m] else set(),
                                          others_alive=len(modes) > 1,
-                                         settle=0.0 if st.get("leftover") else
-                                         serve_proc.GPU_SETTLE_S)
+                                         settle=0.0 if st.get("leftover") else _settle())
         st["alive_after_kill"] = s.kill_leftovers()
         passed = bool(w["healthy"] and health_after.get(m) and st.get("clean_exit")
                       and not st.get("leftover") and mem["returned"] is not False)
@@ -370,7 +371,8 @@ def run_group(ctx: Ctx, modes: list[str], gpu_mem: float) -> list[dict]:
               f"{st.get('stop_seconds')} s, exit {st.get('exit_code')}, "
               f"{len(st.get('leftover') or [])} process(es) left, GPU memory returned: "
               f"{mem['returned']} ({mem['checked']})", flush=True)
-    final = serve_proc.memory_returned(before, read, set(), others_alive=False)
+    final = serve_proc.memory_returned(before, read, set(), others_alive=False,
+                                       settle=_settle())
     group_row = dict(kernel="serve_gpu_memory", variant="+".join(modes),
                      shape=dict(model=ctx.label, cuda_graphs=args.graphs),
                      passed=final["returned"] is not False, **final)
@@ -380,6 +382,12 @@ def run_group(ctx: Ctx, modes: list[str], gpu_mem: float) -> list[dict]:
                    dict(commit=ctx.meta["commit"], form=form(args), mode=m,
                         run_id=ctx.meta["run_id"], rows=out))
     return [r for m in modes for r in rows[m]] + [group_row]
+
+
+def _settle() -> float:
+    """How long the GPU may take to show memory returned: GPU_SETTLE_S, less near the
+    deadline."""
+    return max(0.0, min(serve_proc.GPU_SETTLE_S, _left() - 15))
 
 
 def _served_version(base_url: str):

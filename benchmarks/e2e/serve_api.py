@@ -49,16 +49,21 @@ class Checks:
     """The checks against one server; ``run()`` returns the rows."""
 
     def __init__(self, base_url: str, model: str, max_model_len: int, mode: str,
-                 model_label: str, timeout: float = TIMEOUT_S):
+                 model_label: str, timeout: float = TIMEOUT_S,
+                 deadline: float = float("inf")):
         self.base, self.model, self.max_model_len = base_url, model, max_model_len
-        self.mode, self.label = mode, model_label
-        self.c = _client(base_url, timeout)
+        self.mode, self.label, self.deadline = mode, model_label, deadline
+        self.c = _client(base_url, max(10.0, min(timeout, deadline - time.time())))
         self.rows: list[dict] = []
 
     def _row(self, check: str, fn) -> dict:
         t0 = time.monotonic()
         row = dict(kernel="serve_api", variant=self.mode,
                    shape=dict(model=self.label, check=check))
+        if time.time() > self.deadline:
+            row.update(passed=False, error="not run: the deadline", detail={}, seconds=0.0)
+            self.rows.append(row)
+            return row
         try:
             detail = fn() or {}
             row.update(passed=bool(detail.pop("_passed", True)), error=None, detail=detail)
@@ -276,10 +281,12 @@ class Checks:
 
 
 def api_rows(base_url: str, served_name: str, max_model_len: int, mode: str,
-             model_label: str) -> list[dict]:
-    """Every check against one server; a client that cannot be made is one failed row."""
+             model_label: str, deadline: float = float("inf")) -> list[dict]:
+    """Every check against one server (those past ``deadline``, a time.time(), are rows
+    that say so); a client that cannot be made is one failed row."""
     try:
-        checks = Checks(base_url, served_name, max_model_len, mode, model_label)
+        checks = Checks(base_url, served_name, max_model_len, mode, model_label,
+                        deadline=deadline)
     except Exception as e:  # noqa: BLE001 - e.g. no `openai` package in this python
         return [dict(kernel="serve_api", variant=mode, shape=dict(model=model_label,
                                                                   check="client"),
