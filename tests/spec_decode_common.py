@@ -97,10 +97,10 @@ class Model:
             self.cand_buf = torch.full((2048, hf.candidate_topk_blocks), -1,
                                        dtype=torch.int32, device=device)
             extra["candidate_block_buffer"] = self.cand_buf
-        if device == "cpu":
-            # Upstream's decode top-k in torch (its "torch" backend: the reference
-            # implementation, row ends from the layout's seq_lens); the CUDA ones on a GPU.
-            self.vcfg.kernel_config.sparse_indexer_topk_backend = "torch"
+        # Upstream's decode top-k in torch (its "torch" backend: the reference implementation,
+        # row ends from the layout's seq_lens): the patched source tree has no compiled
+        # vllm._C for the CUDA top-k kernels, on a GPU host too.
+        self.vcfg.kernel_config.sparse_indexer_topk_backend = "torch"
         self.layers = {}
         with set_current_vllm_config(self.vcfg):
             for i in layer_ids:

@@ -32,9 +32,9 @@ Checks per case, all recorded as numbers the test asserts on:
   multi-token step (causal cases);
 * indexer cases (tests/spec_decode_indexer.py): the logits rows and top-k rows of
   upstream's ``sparse_attn_indexer`` (logits from our kernel through patch 0015, the padded
-  layout's Q packed through patch 0017; on CPU the decode top-k is upstream's own "torch"
-  backend, on a GPU its CUDA kernels) against plain-torch logits of each token's own
-  causal key range, and the layer's decode reading them.
+  layout's Q packed through patch 0017; the decode top-k is upstream's own "torch"
+  backend: the patched source tree has no compiled vllm._C) against plain-torch logits of
+  each token's own causal key range, and the layer's decode reading them.
 
 CPU stand-ins (the interpreter has no CUDA): vllm_probe_common's faked SM80 platform, one
 SM for the indexer builder's DeepGEMM schedule (unused without DeepGEMM), and the

@@ -243,6 +243,6 @@ def test_real_size_indexer_layouts(gpu):
     for key in [k for k in gpu if "/indexer_" in k]:
         check_layout(gpu, key)
     for model in ("v4", "v41"):
-        # The CUDA top-k kernels return a row's set in an order of their own: the logits
-        # rows must agree bit for bit, the top-k sets are checked per layout above.
+        # The logits rows must agree bit for bit; torch.topk on CUDA may order tied keys
+        # differently per launch, so the top-k sets are checked per layout above.
         check_layouts_agree(gpu, model, bits=False)
