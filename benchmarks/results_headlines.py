@@ -20,6 +20,13 @@ PER_RANK_STEP = {"per_rank_sm80_audit": "agree --models per-rank (sm_80 audit)",
                  "per_rank_vs_fp32_reference": "reference --models per-rank",
                  "per_rank_reference_check": "reference --models per-rank (check)",
                  "per_rank_zero_compile": "nocompile --models per-rank"}
+# e2e row kernels of the long step's 128K agreement (benchmarks/e2e/e2e_models.LONG_ROWS):
+# their own names, so that a long run does not become the current agreement or reference
+# file of the agreement models.
+LONG_STEP = {"long_agreement": "long (agreement at 128K)",
+             "long_vs_fp32_reference": "long_reference (128K)",
+             "long_reference_check": "long_reference (128K, check)"}
+EXTRA_STEP = {**PER_RANK_STEP, **LONG_STEP}
 
 
 def _num(x) -> bool:
@@ -77,7 +84,7 @@ def headline_e2e(kernel: str, rows: list) -> str:
             out.append(f"{phase} {size} {top} tok/s: " + ", ".join(per))
         return "; ".join(out) or f"{len(rows)} rows"
     if kernel in ("e2e_agreement", "e2e_vs_fp32_reference", "per_rank_agreement",
-                  "per_rank_vs_fp32_reference"):
+                  "per_rank_vs_fp32_reference", "long_agreement", "long_vs_fp32_reference"):
         parts = []
         for v, rs in sorted(_by_variant(rows).items()):
             t = [r["top1_agree"] for r in rs if _num(r.get("top1_agree"))]

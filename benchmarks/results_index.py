@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO / "benchmarks") not in sys.path:   # its two siblings, however it is imported
     sys.path.insert(0, str(REPO / "benchmarks"))
 import results_archive  # noqa: E402  (--archive: the git mv and the reference rewrite)
-from results_headlines import PER_RANK_STEP, headline  # noqa: E402  (INDEX.md's headlines)
+from results_headlines import EXTRA_STEP, headline  # noqa: E402  (INDEX.md's headlines)
 
 RESULTS_REL = Path("benchmarks") / "results"
 INDEX_NAME = "INDEX.md"
@@ -94,7 +94,7 @@ E2E_STEP = {
     "e2e_vs_fp32_reference": "reference",
     "e2e_reference_check": "reference (check)",
     "e2e_determinism": "determinism.py",
-    **PER_RANK_STEP,   # per-rank shapes on one GPU (results_headlines.py says why there)
+    **EXTRA_STEP,   # per-rank shapes, the long step's agreement (results_headlines.py: why)
 }
 GPU_TESTS = "gpu_tests"
 

@@ -304,14 +304,14 @@ def test_rows_schema_from_run_output(fakes, tmp_path):
     assert one["gpu_idle"]["shape"] == dict(model="v4-long", prompt_len=16384, batch=1,
                                             phase="prefill", stage="gpu_idle", cuda_graphs=False)
     # agreement of the last positions: the modes agree, and so does the aligned reference
-    agree = [r for r in rows if r["kernel"] == "e2e_agreement"]
+    agree = [r for r in rows if r["kernel"] == "long_agreement"]
     assert {(r["shape"]["model"], r["variant"]) for r in agree} == {
         (n, "a100_vs_upstream") for n in e2e.LONG_MODELS}
     assert all(r["top1_agree"] == 1.0 and r["detail"]["prompt_positions"] == 2048
                and r["shape"]["positions"] == [4096 - 2048, 4095] for r in agree)
-    refs = [r for r in rows if r["kernel"] == "e2e_vs_fp32_reference"]
+    refs = [r for r in rows if r["kernel"] == "long_vs_fp32_reference"]
     assert len(refs) == 4 and all(r["max_abs_dlogprob"] == 0.0 for r in refs)
-    checks = [r for r in rows if r["kernel"] == "e2e_reference_check"]
+    checks = [r for r in rows if r["kernel"] == "long_reference_check"]
     assert {r["shape"]["model"] for r in checks} == set(e2e.LONG_MODELS)
     assert all(r["passed"] for r in checks)
     # the references ran after every engine, at the agreement length
@@ -326,7 +326,7 @@ def test_reference_one_position_off_is_seen(fakes, tmp_path):
     out, _ = _main(fakes, tmp_path, ["--steps", "ckpt,long,long_reference", "--long-models",
                                      "v41-long", "--long-b4-lens", "", *SMALL_LENS],
                    _fake_sh([], ref_shift=1))
-    refs = [r for r in out["rows"] if r["kernel"] == "e2e_vs_fp32_reference"]
+    refs = [r for r in out["rows"] if r["kernel"] == "long_vs_fp32_reference"]
     assert refs and all(r["max_abs_dlogprob"] > 0 and r["top1_agree"] < 0.01 for r in refs)
 
 
@@ -358,7 +358,7 @@ def test_partial_results_of_a_stopped_engine(fakes, tmp_path):
     assert all(r["run_complete"] is (r["variant"] == "upstream") for r in out["rows"]
                if r["kernel"] == "long_context")
     # the agreement request at 4K came before the stop
-    assert any(r["kernel"] == "e2e_agreement" for r in out["rows"])
+    assert any(r["kernel"] == "long_agreement" for r in out["rows"])
     assert out["meta"]["failed_runs"] == [
         "v41-long/a100/long-eager (rc 124; 2 of 4 timed requests on disk)"]
     started.clear()

@@ -199,8 +199,10 @@ def test_results_index_groups_per_rank_rows_apart():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import results_headlines as rh
     import results_index as ri
-    assert set(rh.PER_RANK_STEP) == set(em.BASE_KERNEL)
-    for kernel, base in em.BASE_KERNEL.items():
+    assert set(rh.EXTRA_STEP) == set(em.BASE_KERNEL)
+    assert set(rh.PER_RANK_STEP) == {r["kernel"] for r in em.PER_RANK_ROWS}
+    for kernel in rh.PER_RANK_STEP:
+        base = em.BASE_KERNEL[kernel]
         assert ri.E2E_STEP[kernel].startswith(ri.E2E_STEP[base].split(" (")[0]), kernel
     check = dict(kernel="per_rank_reference_check", variant="a100_vs_upstream", passed=False,
                  shape=dict(model="v4-tp8-mini"))

@@ -60,7 +60,13 @@ PER_RANK_ROWS = (dict(kernel="per_rank_sm80_audit", of="sm80_audit"),
                  dict(kernel="per_rank_reference_check", of="e2e_reference_check"),
                  dict(kernel="per_rank_zero_compile", of="zero_compile"))
 PER_RANK_KERNEL = {r["of"]: r["kernel"] for r in PER_RANK_ROWS}
-BASE_KERNEL = {r["kernel"]: r["of"] for r in PER_RANK_ROWS}
+# The long step's 128K agreement rows (long_step.long_agreement_rows), likewise under their
+# own names: a long run is not the agreement models' current agreement or reference file.
+LONG_ROWS = (dict(kernel="long_agreement", of="e2e_agreement"),
+             dict(kernel="long_vs_fp32_reference", of="e2e_vs_fp32_reference"),
+             dict(kernel="long_reference_check", of="e2e_reference_check"))
+LONG_KERNEL = {r["of"]: r["kernel"] for r in LONG_ROWS}
+BASE_KERNEL = {r["kernel"]: r["of"] for r in PER_RANK_ROWS + LONG_ROWS}
 
 
 def per_rank_rows(rows: list[dict]) -> list[dict]:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import compare
-from e2e_models import MODELS, MODES
+from e2e_models import LONG_KERNEL, MODELS, MODES
 from refcheck import ref_out, reference_check
 from run_long import LONG_CHUNK, STAGES, long_plan, request_timeout
 
@@ -266,9 +266,10 @@ def _last_positions(ref: dict, n: int, first: int, count: int):
 
 def long_agreement_rows(work: Path, runs: dict) -> list[dict]:
     """The long engines' agreement prompts (the last positions of one prompt of
-    --long-agree-len tokens): each pair of modes (kernel="e2e_agreement"), each run against the
-    fp32 reference when --steps long_reference wrote one (kernel="e2e_vs_fp32_reference"), and
-    per model the project's rule (kernel="e2e_reference_check", reference_check)."""
+    --long-agree-len tokens): each pair of modes (kernel="long_agreement"), each run against the
+    fp32 reference when --steps long_reference wrote one (kernel="long_vs_fp32_reference"), and
+    per model the project's rule (kernel="long_reference_check", reference_check): the rows of
+    the agreement step under e2e_models.LONG_ROWS' names."""
     rows = []
     for name in LONG_MODELS:
         got = {(m, f): r["agree"] for (n, m, f), r in runs.items() if n == name and r.get("agree")}
@@ -281,7 +282,8 @@ def long_agreement_rows(work: Path, runs: dict) -> list[dict]:
             for a, b in (("a100", "upstream"), ("sm90", "upstream"), ("a100", "sm90")):
                 if (a, form) in got and (b, form) in got:
                     p = compare.pair(got[(a, form)], got[(b, form)])
-                    rows.append(dict(kernel="e2e_agreement", variant=f"{a}_vs_{b}",
+                    rows.append(dict(kernel=LONG_KERNEL["e2e_agreement"],
+                                     variant=f"{a}_vs_{b}",
                                      shape=dict(model=name, cuda_graphs=form == "graphs", **pos),
                                      top1_agree=p["top1_agree"],
                                      max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
@@ -297,12 +299,12 @@ def long_agreement_rows(work: Path, runs: dict) -> list[dict]:
                 continue
             p = compare.pair(a, ref_run)
             dist[(mode, form == "eager")] = p
-            rows.append(dict(kernel="e2e_vs_fp32_reference", variant=mode,
+            rows.append(dict(kernel=LONG_KERNEL["e2e_vs_fp32_reference"], variant=mode,
                              shape=dict(model=name, cuda_graphs=form == "graphs",
                                         reference=ref["mode"], **pos),
                              top1_agree=p["top1_agree"], max_abs_dlogprob=p["max_abs_dlogprob"],
                              mean_abs_dlogprob=p["mean_abs_dlogprob"], detail=p))
         check = reference_check(dist, dict(model=name, reference=ref["mode"], **pos))
         if check:
-            rows.append(check)
+            rows.append(dict(check, kernel=LONG_KERNEL["e2e_reference_check"]))
     return rows
