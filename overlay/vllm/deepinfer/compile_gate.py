@@ -86,7 +86,7 @@ for _m in ("vllm.deepinfer.fp8", "vllm.deepinfer.kernels.topk_swa",
            "vllm.deepinfer.kernels.fp8_writers", "vllm.deepinfer.kernels.fp8_writers_v41",
            "vllm.deepinfer.kernels.fp8_writers_v4", "vllm.deepinfer.kernels.fp8_writers_v4_compress",
            "vllm.deepinfer.kernels.indexer_logits", "vllm.deepinfer.kernels.engram_lookup",
-           "vllm.deepinfer.kernels.inverse_rope"):
+           "vllm.deepinfer.kernels.inverse_rope", "vllm.deepinfer.mhc.decode_fused"):
     add_provider(_m)
 
 

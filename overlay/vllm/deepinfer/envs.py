@@ -88,6 +88,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # benchmarks/results/archive/h200-2026-12-01-mhc-5f462a5.json) and the FUSED_GEOMETRY table
     # (empty: the measured candidate did not win). On for the Ampere variants.
     Feature("mhc_tuned", _AMPERE, "mHC tensor-core projection above 32 tokens, Ampere configs"),
+    # 1-32 tokens: mHC post, projection, Sinkhorn and pre-mix of V4.1's shifted and V4's
+    # fused boundary in one Triton launch (vllm.deepinfer.mhc.decode_fused, patch 0030)
+    # instead of upstream's two TileLang launches. On for the Ampere variants (needs mhc on
+    # too); not yet timed on a GPU (docs/mhc.md).
+    Feature("mhc_decode", _AMPERE, "mHC post + pre of 1-32 tokens in one launch (V4.1, V4)"),
     # Metadata identical across a KV-sharing group is built once per forward
     # (vllm.deepinfer.yoco): the layers compute the same thing either way, hence on
     # everywhere; 0 rebuilds it in every layer, as upstream does.
