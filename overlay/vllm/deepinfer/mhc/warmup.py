@@ -5,9 +5,11 @@ Upstream registers its mHC kernels for the DeepGEMM path: the epilogues with Dee
 split buckets, and (V4 only) the FMA prenorm GEMM at hc_mult 4. The Ampere path also
 dispatches: our tensor-core projection (``kernels.TcKey`` per token bucket), the epilogues
 at that projection's split counts, TileLang's prenorm GEMM at hc_mult 1 for first-layer
-batches under ``TC_MIN_TOKENS``, and (V4.1) the fused post + pre kernel, which V4.1's model
-never registers. Upstream's two epilogue owners hand their registrations here
-(``register_v4`` from ``MhcPreBigFuseTileLangKernel.register_warmup``, patch 0031;
+batches under ``TC_MIN_TOKENS``, (V4.1) the fused post + pre kernel, which V4.1's model
+never registers, and the one-launch decode kernel of 1-32 tokens
+(``decode_fused.DecodeKey`` per token class, form and slice width; ``decode_keys``).
+Upstream's two epilogue owners hand their registrations here (``register_v4`` from
+``MhcPreBigFuseTileLangKernel.register_warmup``, patch 0031;
 ``register_v41`` from ``MHCPreNormKernel.register_warmup``, patch 0032), and their key
 lists gain our split counts (``projection_splits``).
 
@@ -48,6 +50,21 @@ def projection_splits(k: int, n_out: int, max_tokens: int, sm_counts=None) -> se
     if not mhc.first_layer_on_tilelang(_deep_gemm_supported()):
         return set()
     return {key.n_splits for key in tc_keys(k, n_out, max_tokens, sm_counts)}
+
+
+def decode_keys(hidden: int, max_tokens: int, *, sinkhorn: int, delayed: bool,
+                use_pre_in: bool = True, write_aux: bool = False,
+                sm_counts=None) -> list:
+    """Every ``decode_fused.DecodeKey`` a boundary of ``hidden`` columns can launch for
+    batches of up to ``max_tokens`` tokens (none with the mhc or mhc_decode feature off)."""
+    from vllm.deepinfer.mhc import decode_fused
+    if not decode_fused.enabled():
+        return []
+    if sm_counts is None:
+        sm_counts = _visible_sm_counts()
+    return decode_fused.warmup_keys(hidden, max_tokens, sm_counts, sinkhorn=sinkhorn,
+                                    delayed=delayed, use_pre_in=use_pre_in,
+                                    write_aux=write_aux)
 
 
 def _visible_sm_counts() -> tuple[int, ...]:
@@ -91,6 +108,36 @@ def _tc_owner():
     return MhcTcProjection()
 
 
+@functools.cache
+def _decode_owner():
+    from vllm.deepinfer.mhc import decode_fused
+    from vllm.model_executor.warmup.jit_warmup import VllmJitKernel
+
+    class MhcDecodeFused(VllmJitKernel[decode_fused.DecodeKey]):
+        CompileKey = decode_fused.DecodeKey
+
+        def get_warmup_keys(self, *, hidden: int, max_tokens: int, sinkhorn: int,
+                            delayed: bool, use_pre_in: bool = True,
+                            write_aux: bool = False) -> list:
+            return decode_keys(hidden, max_tokens, sinkhorn=sinkhorn, delayed=delayed,
+                               use_pre_in=use_pre_in, write_aux=write_aux)
+
+        def compile(self, key) -> None:
+            decode_fused.compile_key(key)
+
+    return MhcDecodeFused()
+
+
+def _register_decode(hidden_size: int, hc_mult: int, max_tokens: int, sinkhorn, *,
+                     delayed: bool, use_pre_in: bool = True, write_aux: bool = False) -> None:
+    from vllm.deepinfer.mhc import decode_fused
+    if hc_mult != decode_fused.HC or sinkhorn is None or not decode_fused.enabled():
+        return
+    _decode_owner().register_warmup(hidden=hidden_size, max_tokens=max_tokens,
+                                    sinkhorn=int(sinkhorn), delayed=delayed,
+                                    use_pre_in=use_pre_in, write_aux=write_aux)
+
+
 def _register_projection(hidden_size: int, hc_mult: int, k: int, max_tokens: int) -> None:
     n_out = hc_mult * (hc_mult + 2)
     if kernels.supported(k, n_out) and max_tokens >= mhc.TC_MIN_TOKENS:
@@ -110,25 +157,32 @@ def _active() -> bool:
 
 
 def register_v4(vllm_config: Any, *, hidden_size: int, hc_mult: int,
-                include_broadcast_splits: bool = False, **_: Any) -> None:
+                include_broadcast_splits: bool = False, sinkhorn_repeat: int | None = None,
+                **_: Any) -> None:
     """V4 layer: our projection over the hc stream (and the embedding row on the first
-    layer); the fused kernel and upstream's FMA GEMM are registered by the model itself."""
+    layer) and the one-launch decode kernel of its fused boundaries; the fused kernel and
+    upstream's FMA GEMM are registered by the model itself."""
     if not _active():
         return
     max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     _register_projection(hidden_size, hc_mult, hc_mult * hidden_size, max_tokens)
+    _register_decode(hidden_size, hc_mult, max_tokens, sinkhorn_repeat, delayed=False)
     if include_broadcast_splits:
         _register_projection(hidden_size, hc_mult, hidden_size, max_tokens)
 
 
 def register_v41(*, max_tokens: int, hidden_size: int, hc_mult: int, rms_numel: int,
-                 split_mode: str = "fused", **_: Any) -> None:
+                 split_mode: str = "fused", sinkhorn_repeat: int | None = None,
+                 use_pre_mix_in: bool = True, write_aux: bool = False, **_: Any) -> None:
     """V4.1 layer (one call per epilogue variant): our projection over ``rms_numel``
-    columns, and the fused post + pre kernel V4.1's model does not register."""
+    columns, the fused post + pre kernel V4.1's model does not register, and (hc stream
+    variants) the one-launch decode kernel of the shifted boundary in the same form."""
     if not _active() or split_mode != "fused":
         return
     _register_projection(hidden_size, hc_mult, rms_numel, max_tokens)
     if rms_numel == hc_mult * hidden_size:
+        _register_decode(hidden_size, hc_mult, max_tokens, sinkhorn_repeat, delayed=True,
+                         use_pre_in=use_pre_mix_in, write_aux=write_aux)
         from vllm.model_executor.kernels.mhc.tilelang_kernels import _MHC_FUSED_TILELANG_KERNEL
         _MHC_FUSED_TILELANG_KERNEL.register_warmup(_config(max_tokens), hidden_size=hidden_size,
                                                   hc_mult=hc_mult)
