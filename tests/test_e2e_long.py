@@ -536,3 +536,22 @@ def test_chart_series_of_the_long_rows(fakes, tmp_path):
     json.dump(out, open(res, "w"))
     written = charts.chart(res, tmp_path / "charts")
     assert any(p.name.endswith("-long-context.png") for p in written)
+
+
+def test_memory_trace_keeps_large_allocations_with_their_frames():
+    """DEEPINFER_LONG_MEMORY_TRACE: the allocator history's allocations of at least the
+    threshold, largest first, with the frames outside torch that made them."""
+    mib = 2 ** 20
+    frames = [dict(filename="/x/torch/nn/functional.py", line=1, name="linear"),
+              dict(filename="/site/vllm/model_executor/layers/sparse_attn_indexer.py",
+                   line=503, name="_prefill")]
+    snap = {"device_traces": [[
+        dict(action="alloc", addr=1, size=512 * mib, frames=frames),
+        dict(action="alloc", addr=2, size=8 * mib, frames=frames),
+        dict(action="free_completed", addr=1, size=512 * mib, frames=[]),
+        dict(action="alloc", addr=3, size=1024 * mib, frames=[])]]}
+    import run_long
+    got = run_long.trace_allocations(snap, 64)
+    assert got == [dict(mib=1024.0, freed=False, frames=[]),
+                   dict(mib=512.0, freed=True,
+                        frames=["layers/sparse_attn_indexer.py:503 _prefill"])]

@@ -250,7 +250,8 @@ def memory_budget(kv: dict, q: dict) -> dict:
     return dict(budget_gib=req / GIB, device_peak_gib=device_peak,
                 over_budget_gib=device_peak - req / GIB,
                 profile_activation_gib=(b.get("peak_activation_memory") or 0) / GIB,
-                new_segments_mib=q.get("new_segments_mib"))
+                new_segments_mib=q.get("new_segments_mib"),
+                **({"memory_trace": q["memory_trace"]} if q.get("memory_trace") else {}))
 
 
 def _last_positions(ref: dict, n: int, first: int, count: int):

@@ -276,6 +276,36 @@ def serve_timed(llm, ps, steps: int, chunk: int, timeout_s: float, prof=None,
 # Segments the caching allocator created during one request, largest first, kept in its
 # memory figures: what grew past the memory vLLM's profile run measured shows by size.
 LONG_NEW_SEGMENTS = 8
+# DEEPINFER_LONG_MEMORY_TRACE=<MiB>: record the allocator's history during the first timed
+# request (torch.cuda.memory._record_memory_history, Python frames) and keep every
+# allocation of at least that many MiB with the frames that made it ("memory_trace"): which
+# code allocates past the budget. Off by default (it slows the request).
+MEMORY_TRACE_ENV = "DEEPINFER_LONG_MEMORY_TRACE"
+MEMORY_TRACE_FRAMES = 8
+
+
+def memory_trace_mib() -> float | None:
+    import os
+    v = os.environ.get(MEMORY_TRACE_ENV, "").strip()
+    return float(v) if v else None
+
+
+def trace_allocations(snapshot: dict, min_mib: float) -> list[dict]:
+    """The allocations of at least ``min_mib`` MiB in a torch.cuda.memory._snapshot()'s
+    device traces, largest first: size, whether it was freed within the trace, and the
+    innermost frames that are not torch's own."""
+    out = []
+    for trace in snapshot.get("device_traces", []):
+        freed = {e["addr"] for e in trace if e.get("action") == "free_completed"}
+        for e in trace:
+            if e.get("action") != "alloc" or e.get("size", 0) < min_mib * 2 ** 20:
+                continue
+            frames = [f"{f['filename'].rsplit('/', 3)[-1] if '/' in f['filename'] else f['filename']}"
+                      f":{f['line']} {f['name']}" for f in e.get("frames", [])
+                      if "/torch/" not in f["filename"]]
+            out.append(dict(mib=round(e["size"] / 2 ** 20, 1), freed=e["addr"] in freed,
+                            frames=frames[:MEMORY_TRACE_FRAMES]))
+    return sorted(out, key=lambda a: -a["mib"])
 
 
 def _segments() -> dict[int, int]:
@@ -290,12 +320,17 @@ class _MemWindow:
     context, NCCL, cuBLAS workspaces), so that the device peak can be set against vLLM's
     budget (gpu_memory_utilization x total), and the largest segments created during it."""
 
+    def __init__(self, trace_mib: float | None = None):
+        self.trace_mib = trace_mib
+
     def __enter__(self):
         import torch
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.figures: dict = {}
+        if self.trace_mib is not None:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
         try:
             self._before = _segments()
         except Exception:  # noqa: BLE001 - the segment list is a diagnostic
@@ -317,6 +352,10 @@ class _MemWindow:
                               if a not in self._before), reverse=True)
                 self.figures["new_segments_mib"] = [round(x / 2 ** 20, 1)
                                                     for x in new[:LONG_NEW_SEGMENTS]]
+            if self.trace_mib is not None:
+                self.figures["memory_trace"] = trace_allocations(
+                    torch.cuda.memory._snapshot(), self.trace_mib)
+                torch.cuda.memory._record_memory_history(enabled=None)
         except Exception as e:  # noqa: BLE001 - a dead CUDA context: the error says why
             self.figures = dict(memory_error=f"{type(e).__name__}: {e}")
         return False
@@ -454,6 +493,7 @@ def long_task(llm, vocab: int, args, result: dict, flush, profiler=None) -> None
         prof = None
     result["warmup_seconds"] = time.perf_counter() - t
     flush()
+    traced = False   # DEEPINFER_LONG_MEMORY_TRACE applies to the first timed request
     for req in plan:
         n, b = req["prompt_len"], req["batch"]
         if req["kind"] == "agree":
@@ -466,7 +506,9 @@ def long_task(llm, vocab: int, args, result: dict, flush, profiler=None) -> None
             continue
         profiled = prof is not None and b == 1 and n == args.profile_len
         ps = prompts([n] * b, vocab, LONG_SEEDS[b])
-        with _MemWindow() as mem:
+        trace = memory_trace_mib() if not traced else None
+        traced = True
+        with _MemWindow(trace) as mem:
             try:
                 r = serve_timed(llm, ps, args.decode_tokens, args.chunk,
                                 request_timeout(n * b, args.request_timeout),
