@@ -554,4 +554,4 @@ def test_memory_trace_keeps_large_allocations_with_their_frames():
     got = run_long.trace_allocations(snap, 64)
     assert got == [dict(mib=1024.0, freed=False, frames=[]),
                    dict(mib=512.0, freed=True,
-                        frames=["layers/sparse_attn_indexer.py:503 _prefill"])]
+                        frames=["model_executor/layers/sparse_attn_indexer.py:503 _prefill"])]
