@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm.deepinfer import arch, reserve, routing, sorted_topk, yoco
+from vllm.deepinfer import arch, reserve, routing, sorted_topk, spec, yoco
 from vllm.deepinfer.kernels.inverse_rope import inverse_rope_rows_
 # Ours, not upstream's function of the same name: the same lists with int64 offsets, and a
 # host check where a batch's lists would pass what the decode's int32 indptr can address.
@@ -232,6 +232,10 @@ class AmpereAttentionMixin:
         from vllm.config import get_current_vllm_config
         # The engine limits the profile run's reservations are sized from.
         self._reserve_limits = reserve.Limits.from_vllm_config(get_current_vllm_config())
+        # Speculative decoding's limit on this path, refused here at engine start (spec.py).
+        if self._reserve_limits.num_speculative_tokens:
+            spec.check(self._reserve_limits, self.window_size,
+                       0 if self._swa_only() else self._topk_width(), self.prefix)
 
     @staticmethod
     def _resolve_variant() -> str | None:
