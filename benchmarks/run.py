@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, Harness  # noqa: E402
 
 SUITES = ["topk_swa", "kv_gather", "fp8", "fp8_writers", "fp8_writers_v4_compress",
-          "sparse_mla_decode", "sparse_mla_prefill", "indexer_logits", "one_layer", "mhc", "yoco"]
+          "sparse_mla_decode", "sparse_mla_prefill", "indexer_logits", "one_layer", "mhc",
+          "mhc_decode", "yoco"]
 
 
 def main(argv=None) -> int:
