@@ -452,6 +452,10 @@ def _vllm_ops():
     if importlib.util.find_spec("vllm.deepinfer") is None and overlay not in vllm.__path__:
         vllm.__path__.append(overlay)
     from vllm.model_executor.kernels.mhc import tilelang as ops
+    if "_deepinfer_decode" not in Path(ops.__file__).read_text():
+        pytest.fail(f"{ops.__file__} lacks patch 0030's decode routing: install the overlay "
+                    "(python3 tools/install_overlay.py install --vllm-dir ... --overlay "
+                    "build/overlay)")
     return ops
 
 
