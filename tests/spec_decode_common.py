@@ -319,6 +319,13 @@ def compare(out, refs) -> dict:
             "finite": bool(out.float().isfinite().all())}
 
 
+def init_sink(layer, g) -> None:
+    """Random attention sinks (drawn on the CPU generator, copied to the layer's device)."""
+    import torch
+    layer.attn_sink.data.copy_(torch.randn(layer.attn_sink.shape, generator=g,
+                                           dtype=torch.float32))
+
+
 def _q(m: Model, layer, n: int):
     import torch
     return torch.randn(n, layer.padded_heads, 512, generator=m.g).to(torch.bfloat16).to(m.device)

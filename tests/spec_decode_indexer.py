@@ -5,7 +5,8 @@ for the candidate-block kernels' CUDA assertion. Imports vLLM only inside functi
 from __future__ import annotations
 
 from spec_decode_common import (BLOCK_TABLE_WIDTH, Caches, Model, _positions, _q, build_md,
-                                common_md, compare, reference_out, run_layer, tables)
+                                common_md, compare, init_sink, reference_out, run_layer,
+                                tables)
 
 
 def _candidate_ops_on_cpu() -> None:
@@ -94,7 +95,7 @@ def indexer_step(model: str, k: int, reqs, real=False, device="cpu", seed=0) -> 
     method = "mtp" if k == 1 and not v41 else "dspark"
     m = Model(model, k, method, real, device, ids, g)
     for layer in m.layers.values():
-        torch.nn.init.normal_(layer.attn_sink, std=1.0, generator=g)
+        init_sink(layer, g)
     n_rows = 3
     c = Caches(m, n_rows, max(s for s, _ in reqs))
     owner = m.layers[ids[0]]

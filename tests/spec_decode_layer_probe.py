@@ -55,7 +55,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spec_decode_common import (Caches, Model, _positions, _q, _setup, _topk_fill,  # noqa: E402
-                                build_md, common_md, compare, reference_out, run_layer)
+                                build_md, common_md, compare, init_sink, reference_out,
+                                run_layer)
 from spec_decode_indexer import _candidate_ops_on_cpu, indexer_step  # noqa: E402
 
 RESULTS: dict = {}
@@ -69,7 +70,7 @@ def causal_step(model: str, method: str, k: int, layer_ids, seq_lens, real=False
     g = torch.Generator().manual_seed(seed)
     m = Model(model, k, method, real, device, layer_ids, g)
     for layer in m.layers.values():
-        torch.nn.init.normal_(layer.attn_sink, std=1.0, generator=g)
+        init_sink(layer, g)
     reqs = [(s, 1 + k) for s in seq_lens]
     c = Caches(m, len(reqs), max(seq_lens))
     positions = _positions(reqs)
@@ -120,7 +121,7 @@ def dspark_draft(model: str, k: int, seq_lens, real=False, device="cpu", seed=0)
     L = 4 if model == "deepseek_v41" else 3
     m = Model(model, k, "dspark", real, device, [L], g)
     layer = m.layers[L]
-    torch.nn.init.normal_(layer.attn_sink, std=1.0, generator=g)
+    init_sink(layer, g)
     reqs = [(s, k) for s in seq_lens]
     c = Caches(m, len(reqs), max(seq_lens) + 64)
     rows = list(range(len(reqs)))

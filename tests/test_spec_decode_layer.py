@@ -18,8 +18,9 @@ own builders):
   pinned), the layer's decode reads them, and the layouts agree bit for bit.
 
 The ``gpu`` tests run the same probe on a CUDA device at the real attention sizes (64 heads,
-top-k 512, contexts up to 9,000) with the sm80 variant (DEEPINFER_ARCH=sm80, the
-A100-faithful kernels) and the device's own.
+top-k 512, contexts up to 9,000) in the A100-faithful mode (DEEPINFER_EMULATE_CAPABILITY=8.0,
+the sm80 kernels: every check above) and with the device's own variant (the layouts there
+are the device's: only each token's results are checked).
 """
 from __future__ import annotations
 
@@ -59,7 +60,9 @@ def _run(kind: str) -> dict:
         if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
             env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
         if kind == "gpu-sm80":
-            env["DEEPINFER_ARCH"] = "sm80"
+            # The A100-faithful mode: vLLM sees capability 8.0 (patch 0018), so the indexer
+            # builder picks the layouts it picks on an A100; the sm80 kernels run.
+            env.update(DEEPINFER_ARCH="sm80", DEEPINFER_EMULATE_CAPABILITY="8.0")
         args += ["--device", "cuda", "--real"]
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
     d = Path(tempfile.gettempdir()) / f"deepinfer-spec-layer-{run}"
@@ -138,12 +141,16 @@ def check_draft(res: dict, key: str) -> None:
     assert r["refreshed_equals_fresh_build"] is True
 
 
-def check_layout(res: dict, key: str) -> None:
+def check_layout(res: dict, key: str, ampere: bool = True) -> None:
+    """``ampere``: the layouts vLLM picks on an Ampere GPU (no native next_n > 2 without
+    Hopper's DeepGEMM); otherwise only each token's rows and results are checked."""
     r = _case(res, key)
     lay = r["layout"]
     layout = key.split("/indexer_")[1]
     n_tok = len(r["positions"])
-    if layout == "native_k1":
+    if not ampere:
+        pass
+    elif layout == "native_k1":
         assert not lay["use_flattening"] and not lay["requires_padding"]
         assert lay["seq_lens_shape"] == [lay["num_decodes"], 2]
     elif layout == "padded_k1":
@@ -223,26 +230,29 @@ def test_probe_stays_short(cpu):
 def gpu(request, device):
     if device != "cuda":
         pytest.skip("needs a CUDA GPU")
-    return _run(request.param)
+    return request.param, _run(request.param)
 
 
 @pytest.mark.gpu
 def test_real_size_verify_steps(gpu):
+    _, res = gpu
     for key in VERIFY:
-        check_verify(gpu, key)
+        check_verify(res, key)
 
 
 @pytest.mark.gpu
 def test_real_size_dspark_draft_blocks(gpu):
+    _, res = gpu
     for key in DRAFTS:
-        check_draft(gpu, key)
+        check_draft(res, key)
 
 
 @pytest.mark.gpu
 def test_real_size_indexer_layouts(gpu):
-    for key in [k for k in gpu if "/indexer_" in k]:
-        check_layout(gpu, key)
+    kind, res = gpu
+    for key in [k for k in res if "/indexer_" in k]:
+        check_layout(res, key, ampere=kind == "gpu-sm80")
     for model in ("v4", "v41"):
         # The logits rows must agree bit for bit; torch.topk on CUDA may order tied keys
         # differently per launch, so the top-k sets are checked per layout above.
-        check_layouts_agree(gpu, model, bits=False)
+        check_layouts_agree(res, model, bits=False)
