@@ -590,11 +590,13 @@ def test_deepinfer_kernels_register_with_vllm_jit_warmup(writers):
     assert got["registered"] is True and got["entries"] == 1  # two layers, one registration
     # Ours (on sm80: prefill, and the two-phase decode's first phase; feature ampere_attn:
     # the standalone inverse RoPE, kernels/inverse_rope.py, and the decode's dense -> ragged
-    # conversion, kernels/ragged_indices.py) and upstream's ragged conversion (serve_warmup:
-    # compact_rows, count_valid_rows). The probe's model has no candidate blocks, so neither
-    # our candidate-logits kernels nor upstream's candidate ones (scores, store, flags, mask)
-    # are registered.
+    # conversion, kernels/ragged_indices.py; feature fp8_sw: patch 0017's pack / unpack,
+    # kernels/pack_seq.py) and upstream's ragged conversion (serve_warmup: compact_rows,
+    # count_valid_rows). The probe's model has no candidate blocks, so neither our
+    # candidate-logits kernels nor upstream's candidate ones (scores, store, flags, mask) are
+    # registered.
     assert got["kernels"] == ["compact_rows", "count_valid_rows", "decode", "decode_predequant",
                               "decode_reduce", "indexer_logits", "inverse_rope", "kv_gather",
-                              "prefill", "ragged_compact", "ragged_count", "topk_swa"]
+                              "pack_seq_pack", "pack_seq_unpack", "prefill", "ragged_compact",
+                              "ragged_count", "topk_swa"]
     assert got["keys"] > 0
