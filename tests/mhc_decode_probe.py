@@ -137,10 +137,11 @@ def main() -> int:
         return {"calls": list(calls), "shapes": [list(g.shape) for g in got],
                 "err": [float((g.float() - w.float()).abs().max()) for g, w in zip(got, want)]}
 
-    record("v41/6", lambda: case("v41", 6))
+    record("v41/6", lambda: case("v41", 6, decode="1"))
+    record("v41/6/default", lambda: case("v41", 6))
     record("v41/6/off", lambda: case("v41", 6, decode="0"))
     record("v41/40", lambda: case("v41", 40))
-    record("v4/6", lambda: case("v4", 6))
+    record("v4/6", lambda: case("v4", 6, decode="1"))
     record("v4/6/off", lambda: case("v4", 6, decode="0"))
     print(json.dumps(RESULTS))
     return 0

@@ -156,8 +156,10 @@ def _bf16_ulps(got, want, ulps: float) -> bool:
 @pytest.fixture
 def ampere(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ARCH", "sm80" if torch.cuda.is_available() else "cpu")
-    for k in ("DEEPINFER_MHC", "DEEPINFER_MHC_DECODE", "DEEPINFER_DISABLE"):
+    for k in ("DEEPINFER_MHC", "DEEPINFER_DISABLE"):
         monkeypatch.delenv(k, raising=False)
+    # the kernel under test: off by default on the GPU variants (envs.py)
+    monkeypatch.setenv("DEEPINFER_MHC_DECODE", "1")
     routing.reset()
     yield
     routing.reset()
@@ -280,12 +282,15 @@ def test_deterministic_and_leading_shape(device):
 # --------------------------------------------------------------------------- routing
 def test_feature_defaults():
     from vllm.deepinfer import envs
-    assert envs.FEATURES[df.FEATURE].default_on == frozenset({"sm80", "sm86", "cpu"})
+    # off on every GPU variant until a GPU has run it (envs.py says why); on for the CPU's
+    assert envs.FEATURES[df.FEATURE].default_on == frozenset({"cpu"})
 
 
 @pytest.mark.usefixtures("ampere")
 @pytest.mark.parametrize("env,want", [
-    ({}, True),
+    ({"DEEPINFER_ARCH": "cpu"}, True),
+    ({"DEEPINFER_ARCH": "sm80"}, False),
+    ({"DEEPINFER_ARCH": "sm80", "DEEPINFER_MHC_DECODE": "1"}, True),
     ({"DEEPINFER_MHC_DECODE": "0"}, False),
     ({"DEEPINFER_MHC": "0"}, False),
     ({"DEEPINFER_DISABLE": "mhc_decode"}, False),
@@ -293,6 +298,7 @@ def test_feature_defaults():
     ({"DEEPINFER_ARCH": "sm90", "DEEPINFER_MHC": "1", "DEEPINFER_MHC_DECODE": "1"}, True),
 ])
 def test_switches(monkeypatch, env, want):
+    monkeypatch.delenv("DEEPINFER_MHC_DECODE")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     routing.reset()
@@ -301,6 +307,8 @@ def test_switches(monkeypatch, env, want):
 
 @pytest.mark.usefixtures("ampere")
 def test_declines_what_it_does_not_cover(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_MHC_DECODE", "1")
+    routing.reset()
     d = _inputs(4, CPU_HIDDEN, "cpu")
 
     def fits(**over):
@@ -350,6 +358,7 @@ def test_patched_ops_route_to_the_decode_kernel():
         val[k] = v["value"]
     assert val["v41/6"]["calls"] == [] and val["v4/6"]["calls"] == []
     assert val["v41/6/off"]["calls"] == ["fused", "epilogue_delayed"]
+    assert val["v41/6/default"]["calls"] == ["fused", "epilogue_delayed"]   # off on sm80
     assert val["v4/6/off"]["calls"] == ["fused", "epilogue"]
     assert val["v41/40"]["calls"] == ["post", "prenorm", "epilogue_delayed"]
     assert val["v41/6"]["shapes"] == [[6, 4, 256], [6, 4, 1], [6, 4, 4], [6, 256], [6, 4]]
@@ -383,6 +392,8 @@ def test_keys_and_warmup_cover_every_launch():
 @pytest.mark.usefixtures("ampere")
 def test_warmup_registration_follows_the_switch(monkeypatch):
     from vllm.deepinfer.mhc import warmup
+    monkeypatch.setenv("DEEPINFER_MHC_DECODE", "1")
+    routing.reset()
     assert warmup.decode_keys(5120, 64, sinkhorn=20, delayed=True, sm_counts=(108,))
     monkeypatch.setenv("DEEPINFER_MHC_DECODE", "0")
     routing.reset()
@@ -512,6 +523,7 @@ def test_cuda_graph_replay(monkeypatch, t):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("DEEPINFER_ARCH", "sm80")
+    monkeypatch.setenv("DEEPINFER_MHC_DECODE", "1")
     routing.reset()
     d = _inputs(t, 5120, "cuda", seed=11)
     first = _call(d, "v41")

@@ -90,9 +90,12 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("mhc_tuned", _AMPERE, "mHC tensor-core projection above 32 tokens, Ampere configs"),
     # 1-32 tokens: mHC post, projection, Sinkhorn and pre-mix of V4.1's shifted and V4's
     # fused boundary in one Triton launch (vllm.deepinfer.mhc.decode_fused, patch 0030)
-    # instead of upstream's two TileLang launches. On for the Ampere variants (needs mhc on
-    # too); not yet timed on a GPU (docs/mhc.md).
-    Feature("mhc_decode", _AMPERE, "mHC post + pre of 1-32 tokens in one launch (V4.1, V4)"),
+    # instead of upstream's two TileLang launches. Off on the GPU variants until a GPU has run
+    # it: it has run only in the Triton interpreter and as sm_80/sm_86 builds, and its CTAs
+    # wait on each other (docs/mhc.md section 6); DEEPINFER_MHC_DECODE=1 turns it on (needs
+    # mhc on too). On for "cpu", where the interpreter tests it.
+    Feature("mhc_decode", frozenset({"cpu"}),
+            "mHC post + pre of 1-32 tokens in one launch (V4.1, V4)"),
     # Metadata identical across a KV-sharing group is built once per forward
     # (vllm.deepinfer.yoco): the layers compute the same thing either way, hence on
     # everywhere; 0 rebuilds it in every layer, as upstream does.
@@ -136,6 +139,8 @@ VARIABLES: dict[str, str] = {
     "DEEPINFER_TEST_TIME_SCALE": "tests: multiplies the load-scaled wall-time cap of the "
                                  "subprocesses tests wait on (tests/subproc.py)",
     "DEEPINFER_COMMIT": "benchmarks: the commit recorded in results when git cannot tell",
+    "DEEPINFER_LONG_MEMORY_TRACE": "e2e long step: MiB; record allocations of at least that "
+                                   "size with their frames during the first timed request",
     "DEEPINFER_SUITE_PART": "benchmarks: i/n runs the i-th of n slices of the "
                             "sparse_mla_prefill suite's full case list",
     "DEEPINFER_EMULATE_CAPABILITY": "test-only: vLLM sees this capability (e.g. 8.0) on any "
