@@ -26,7 +26,10 @@ PER_RANK_STEP = {"per_rank_sm80_audit": "agree --models per-rank (sm_80 audit)",
 LONG_STEP = {"long_agreement": "long (agreement at 128K)",
              "long_vs_fp32_reference": "long_reference (128K)",
              "long_reference_check": "long_reference (128K, check)"}
-EXTRA_STEP = {**PER_RANK_STEP, **LONG_STEP}
+# Rows of the CUDA-graph-mode and Hopper-parity drivers (benchmarks/e2e/graph_modes.py,
+# parity.py; docs/e2e.md).
+DRIVER_STEP = {"graph_mode": "graph_modes.py", "hopper_parity": "parity.py"}
+EXTRA_STEP = {**PER_RANK_STEP, **LONG_STEP, **DRIVER_STEP}
 
 
 def _num(x) -> bool:
@@ -91,6 +94,8 @@ def headline_e2e(kernel: str, rows: list) -> str:
             if t:
                 parts.append(f"{v} {_f(min(t), 3)}")
         return ("top-1 agreement, lowest: " + ", ".join(parts)) if parts else f"{len(rows)} rows"
+    if kernel == "graph_mode" and _count(rows, "outputs_match_eager"):
+        return f"outputs match eager {_count(rows, 'outputs_match_eager')}"
     if kernel in ("sm80_audit", "per_rank_sm80_audit"):
         parts = []
         for r in rows:
