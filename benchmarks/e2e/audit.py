@@ -11,7 +11,10 @@ before the model is built, and records:
   during the served requests. Code that kept a reference to an op before the recorder was
   installed is not seen;
 * every call into DeepGEMM (its module functions wrapped) and every TileLang compile;
-* the time vLLM's JIT warmup takes, and our kernels' share of it.
+* the time vLLM's JIT warmup takes, and our kernels' share of it;
+* the region a compile or an op call happened in, where the caller marks one
+  (``Recorder.in_region``: run_spec.py marks the speculator's propose as "draft"), so the
+  rows of an engine with speculation on name the draft's kernels.
 
 Zero compile while serving: every Triton JIT cache miss and TileLang compile of the 'serve'
 phase is a failure (``serve_compile_failures``, listed with its full key). Only meaningful
@@ -21,7 +24,8 @@ instead.
 
 ``check(...)`` then compiles each recorded Triton kernel for sm_80 and sm_86 with the very
 signature and constexprs it launched with (``triton.compile`` with an explicit target, as the
-compile gate does), and lists the SM architectures of the cubins each op's extension carries
+compile gate does), within the Ampere variants' 48 KiB shared-memory budget (the compile
+gate's, arch.VARIANTS; more is a failure) and without fp8e4nv in its TTGIR, and lists the SM architectures of the cubins each op's extension carries
 (``cuobjdump --list-elf``; per extension library, not per kernel symbol). DeepGEMM and FlashMLA
 calls count as Ampere failures outright: neither has sm_80 kernels.
 
@@ -60,6 +64,8 @@ class _CountingOp:
     def __call__(self, *a, **k):
         if self._rec.phase == "serve":
             self._rec.ops[self._name] += 1
+            if self._rec.region is not None:
+                self._rec.region_ops[self._rec.region][self._name] += 1
         return self._packet(*a, **k)
 
     def __getattr__(self, attr):
@@ -82,6 +88,9 @@ class Recorder:
         self.serve_compiles: list[dict] = []
         # Seconds of vLLM's JIT warmup, and of our kernels' share of it.
         self.warmup_seconds: collections.Counter = collections.Counter()
+        # The region the caller marked (in_region), and the op calls per region while serving.
+        self.region: str | None = None
+        self.region_ops: dict = collections.defaultdict(collections.Counter)
         self._prev_hook = None
 
     # ---------------------------------------------------------------- install
@@ -151,14 +160,15 @@ class Recorder:
                 name=name, signature={str(a): str(b) for a, b in sig.items()},
                 constants=repr_constants(compile["constants"]),
                 specialization=str(compile["configs"][0]), num_warps=compile["num_warps"],
-                num_stages=compile["num_stages"]))
+                num_stages=compile["num_stages"], region=self.region))
         k = (name, tuple(sorted((str(a), str(b)) for a, b in sig.items())),
              repr_constants(compile["constants"]), compile["num_warps"], compile["num_stages"])
         if k not in self.triton:
             self.triton[k] = dict(name=name, jit=fn.jit_function, signature=dict(sig),
                                   constants=compile["constants"], attrs=compile["configs"][0],
                                   num_warps=compile["num_warps"],
-                                  num_stages=compile["num_stages"], phase=self.phase)
+                                  num_stages=compile["num_stages"], phase=self.phase,
+                                  region=self.region)
         if self._prev_hook is not None:
             return self._prev_hook(key=key, repr=repr, fn=fn, compile=compile,
                                    is_manual_warmup=is_manual_warmup,
@@ -201,6 +211,19 @@ class Recorder:
         return wrapper
 
     # ---------------------------------------------------------------- phases
+    def in_region(self, name: str):
+        """Context: compiles and op calls inside it are tagged ``name`` (nests; restores)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def _region():
+            prev, self.region = self.region, name
+            try:
+                yield
+            finally:
+                self.region = prev
+        return _region()
+
     def serving(self):
         """Context for served requests: phase 'serve' (compiles and op calls counted)."""
         rec = self
@@ -219,8 +242,15 @@ def repr_constants(c) -> str:
 
 
 # -------------------------------------------------------------------------- checks
-def compile_for(entry: dict, cc: int) -> str:
-    """'' when the recorded kernel compiles for sm_<cc>, else the error's first line."""
+# Shared memory per CTA an Ampere build may use: the compile gate's budget of the sm80 and
+# sm86 variants (vllm.deepinfer.arch.VARIANTS, 48 KiB each).
+SMEM_BUDGET = 48 * 1024
+
+
+def build_for(entry: dict, cc: int) -> dict:
+    """The recorded kernel built for sm_<cc>: ``error`` ('' when it builds, with no sm_90-only
+    instruction, no fp8e4nv below sm_89 and shared memory within SMEM_BUDGET below sm_90;
+    else the reason), ``shared`` (bytes, None when it did not build)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -229,12 +259,24 @@ def compile_for(entry: dict, cc: int) -> str:
         k = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                            options={"num_warps": entry["num_warps"],
                                     "num_stages": entry["num_stages"]})
-        ptx = k.asm.get("ptx", "")
-        bad = [i for i in ("wgmma", "setmaxnreg", "cp.async.bulk.tensor", "griddepcontrol")
-               if i in ptx]
-        return f"sm_90-only instruction(s) {bad}" if bad else ""
     except Exception as e:  # noqa: BLE001 - the message is the result
-        return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        return dict(error=(str(e).strip().splitlines() or [type(e).__name__])[0][:300],
+                    shared=None)
+    ptx = k.asm.get("ptx", "")
+    bad = [i for i in ("wgmma", "setmaxnreg", "cp.async.bulk.tensor", "griddepcontrol")
+           if i in ptx]
+    shared = int(getattr(k.metadata, "shared", 0) or 0)
+    problems = [f"sm_90-only instruction(s) {bad}"] if bad else []
+    if cc < 89 and "f8E4M3FN" in k.asm.get("ttgir", ""):
+        problems.append("fp8e4nv below sm_89")
+    if cc < 90 and shared > SMEM_BUDGET:
+        problems.append(f"shared memory {shared} B > {SMEM_BUDGET} B budget")
+    return dict(error="; ".join(problems), shared=shared)
+
+
+def compile_for(entry: dict, cc: int) -> str:
+    """'' when the recorded kernel builds for sm_<cc> (build_for), else why not."""
+    return build_for(entry, cc)["error"]
 
 
 def _cuobjdump() -> str | None:
@@ -298,10 +340,13 @@ def check(rec: Recorder, ccs=(80, 86)) -> dict:
     """The audit's findings as a JSON-able dict; ``failed`` lists what cannot run on Ampere."""
     triton_rows, failed = [], []
     for entry in rec.triton.values():
-        errs = {cc: compile_for(entry, cc) for cc in ccs}
+        builds = {cc: build_for(entry, cc) for cc in ccs}
+        errs = {cc: b["error"] for cc, b in builds.items()}
         fp8 = any("fp8e4nv" in str(t) for t in entry["signature"].values())
-        row = dict(name=entry["name"], phase=entry["phase"], num_warps=entry["num_warps"],
-                   fp8e4nv_arg=fp8, **{f"sm{cc}": (e or "ok") for cc, e in errs.items()})
+        row = dict(name=entry["name"], phase=entry["phase"], region=entry.get("region"),
+                   num_warps=entry["num_warps"], fp8e4nv_arg=fp8,
+                   **{f"sm{cc}": (e or "ok") for cc, e in errs.items()},
+                   **{f"shared_sm{cc}": b["shared"] for cc, b in builds.items()})
         triton_rows.append(row)
         if any(errs.values()):
             failed.append(f"triton {entry['name']}: " + "; ".join(
@@ -324,6 +369,7 @@ def check(rec: Recorder, ccs=(80, 86)) -> dict:
     return dict(triton_kernels=triton_rows, cuda_ops=op_rows, deep_gemm_calls=dict(rec.deep_gemm),
                 tilelang_compiles=dict(rec.tilelang), compiles_by_phase=dict(rec.compiles),
                 tilelang_by_phase=dict(rec.tilelang_by_phase),
+                region_ops={r: dict(c) for r, c in rec.region_ops.items()},
                 serve_compiles=[c for c in rec.serve_compiles if not outside_path(c)],
                 serve_compiles_outside=[c for c in rec.serve_compiles if outside_path(c)],
                 zero_compile=not serve, warmup_seconds=dict(rec.warmup_seconds),
