@@ -286,7 +286,8 @@ class FastSh:
         self.speed = speed or (lambda tag, args, opts, env, row: 100.0 * row["batch"])
         self.check = check
         self.resolve = resolve or _resolve
-        self.costs = costs or {"cold": 150.0, "cold_a100": 345.0, "warm": 60.0, "eager": 120.0}
+        self.costs = costs or {"cold": 150.0, "cold_a100": 345.0, "cold_a100_cached": 180.0,
+                               "warm": 60.0, "eager": 120.0}
         self.measure, self.fail = measure, set(fail)
         self.clock = 0.0
         self.started: list[str] = []
@@ -305,8 +306,8 @@ class FastSh:
         tag = Path(args.out).stem
         root = Path(env["VLLM_CACHE_ROOT"])
         compiled = (root / "torch_compile_cache").is_dir()
-        kind = "eager" if args.eager else "warm" if compiled else \
-            "cold_a100" if args.mode == "a100" and not self.started else "cold"
+        kind = "eager" if args.eager else "warm" if compiled else "cold" \
+            if args.mode != "a100" else "cold_a100_cached" if self.started else "cold_a100"
         self.started.append(tag)
         self.envs[tag], self.cmds[tag] = dict(env or {}), cmd
         self.clock += self.costs[kind] + self.measure

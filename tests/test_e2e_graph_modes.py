@@ -88,9 +88,9 @@ def test_plan_table_estimates(tmp_path):
     assert [x["start"] for x in t] == ["cold_a100"]
     assert t[0]["estimate_s"] == ep.START_S["cold_a100"] + ep.MEASURE_S + ep.CHECK_S
     # after the eager engine has run here, the sm_80 kernels are in the shared Triton cache
-    assert [x["start"] for x in ep.plan_table(plan, tmp_path)] == ["eager", "cold"]
+    assert [x["start"] for x in ep.plan_table(plan, tmp_path)] == ["eager", "cold_a100_cached"]
     (tmp_path / "cache" / "triton" / "k").mkdir(parents=True)
-    assert ep.plan_table(plan[1:], tmp_path)[0]["start"] == "cold"
+    assert ep.plan_table(plan[1:], tmp_path)[0]["start"] == "cold_a100_cached"
     assert ep.parse_start_s("cold=240, warm=30")["cold"] == 240.0
     with pytest.raises(ValueError):
         ep.parse_start_s("hot=1")
@@ -192,35 +192,35 @@ def test_match_verdict_rules():
 
 # --------------------------------------------------------------------------- deadline
 def test_deadline_starts_only_what_fits_and_resumes(monkeypatch, tmp_path):
-    """The stand-in's starts take what engine_plan estimates. The eager engine and one cold
-    graph engine fit; the next would not (it needs a whole cold start, half is left), so it
-    and every later engine wait. A second invocation on a new machine (a new work folder)
+    """The stand-in's starts take what engine_plan estimates. The eager engine and one graph
+    engine (its sm_80 kernels in the Triton cache by then) fit; the next would not (half of
+    its estimate is left), so it and every later engine wait. A second invocation on a new machine (a new work folder)
     resumes from the bundle and runs only the rest, its first graph engine a cold a100 one
     (the new machine's Triton cache is empty)."""
     est = {k: ep.estimate_s(k, gm.engines(MODEL, "a100", ["PIECEWISE"], ["default"])[1])
            for k in ep.START_S}
     sh = G.FastSh(speed=_speed, costs=dict(ep.START_S), measure=ep.MEASURE_S + ep.CHECK_S)
     bundle = tmp_path / "out" / "gm-bundle.json"
-    budget = est["eager"] + est["cold"] + est["cold"] / 2
+    budget = est["eager"] + 1.5 * est["cold_a100_cached"]
     out, _ = _main(monkeypatch, tmp_path, ["--quick", "--bundle", str(bundle)], sh,
                    budget=budget)
     assert sh.started == [f"{MODEL}-graph-a100-eager",
                           f"{MODEL}-graph-a100-FULL_AND_PIECEWISE-default"]
     nd = out["meta"]["failed_runs"]
     assert len(nd) == 2 and all("not started: the deadline" in x for x in nd)
-    assert "FULL_DECODE_ONLY" in nd[0] and "the cold start" in nd[0]
+    assert "FULL_DECODE_ONLY" in nd[0] and "the cold_a100_cached start" in nd[0]
     assert {r["shape"]["cudagraph_mode"] for r in out["rows"]} == {"NONE", "FULL_AND_PIECEWISE"}
     saved = json.loads(bundle.read_text())["engines"]
     assert sorted(saved) == sorted(sh.started)
     plan = {t["tag"]: t["start"] for t in out["meta"]["plan"]}
-    assert plan[f"{MODEL}-graph-a100-FULL_AND_PIECEWISE-default"] == "cold"   # after eager
+    assert plan[f"{MODEL}-graph-a100-FULL_AND_PIECEWISE-default"] == "cold_a100_cached"
 
     sh2 = G.FastSh(speed=_speed)
     out2, _ = _main(monkeypatch, tmp_path, ["--quick", "--resume", str(bundle), "--bundle",
                                             str(bundle)], sh2, budget=1000, work="w2")
     plan2 = {t["tag"]: t["start"] for t in out2["meta"]["plan"]}
     assert plan2[f"{MODEL}-graph-a100-FULL_DECODE_ONLY-default"] == "cold_a100"
-    assert plan2[f"{MODEL}-graph-a100-PIECEWISE-default"] == "cold"
+    assert plan2[f"{MODEL}-graph-a100-PIECEWISE-default"] == "cold_a100_cached"
     assert sh2.started == [f"{MODEL}-graph-a100-FULL_DECODE_ONLY-default",
                            f"{MODEL}-graph-a100-PIECEWISE-default"]
     assert not out2["meta"]["failed_runs"] and len(out2["meta"]["resumed"]) == 2

@@ -166,15 +166,17 @@ def test_verdict_edges():
 
 # --------------------------------------------------------------------------- deadline
 def test_deadline_warm_starts_and_bundle(monkeypatch, tmp_path):
-    """In 500 s (the stand-in's starts: cold 150 s, warm 60 s, plus 10 s each) the cold
-    default and upstream engines and the warm default one start (estimates 240, 240, 120 s
-    against 500, 340, 180 s left); the warm upstream one would not (120 s against 110). A
+    """In 480 s (the stand-in's starts: cold 150 s, warm 60 s, plus 10 s each) the cold
+    default and upstream engines and the warm default one start (estimates 195, 195, 105 s
+    against 480, 320, 160 s left); the warm upstream one would not (105 s against 90).
     new work folder with the bundle runs the rest, the first of each mode cold again (the
     machine's caches are gone), and never an engine the bundle holds."""
     sh = G.FastSh(speed=_speed)
     bundle = tmp_path / "o" / "parity.json"
+    assert (ep.estimate_s("cold", plan_e := parity.engines(MODEL, 1)[0]),
+            ep.estimate_s("warm", plan_e)) == (195, 105)
     out, _ = _main(monkeypatch, tmp_path, ["--repeats", "3", "--bundle", str(bundle)], sh,
-                   budget=500)
+                   budget=480)
     assert sh.started == [f"{MODEL}-parity-{v}" for v in ("default-r1", "upstream-r1",
                                                          "default-r2")]
     plan = {t["tag"].split("parity-")[1]: t for t in out["meta"]["plan"]}
