@@ -48,6 +48,9 @@ def chart(path: Path, out_dir: Path) -> list[Path]:
     if long_rows:
         written.append(chart_long(long_rows, [r for r in rows if r["kernel"] == "long_context_stage"],
                                   meta, out_dir / f"{path.stem}-long-context.png"))
+    spec = [r for r in rows if r["kernel"] == "spec_decode" and r.get("tokens_per_s") is not None]
+    if spec:
+        written.append(chart_spec(spec, meta, out_dir / f"{path.stem}-spec-decode.png"))
     if "yoco" in by_kernel:
         written.append(chart_yoco(by_kernel.pop("yoco"), meta, out_dir / f"{path.stem}-yoco.png"))
     for kernel, rs in by_kernel.items():
@@ -239,6 +242,52 @@ def chart_yoco(rs: list[dict], meta: dict, out: Path) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle(f"DeepSeek-V4.1 attention, 40 layers, cross-layer metadata reuse — {meta['gpu']} "
                  f"(torch {meta['torch']}, triton {meta['triton']})", fontsize=9)
+    return _save(fig, out)
+
+
+def spec_series(rs: list[dict]) -> dict:
+    """The speculative-decoding chart's data (rows kernel="spec_decode"): per panel (model,
+    method, k) and per line (variant, cuda_graphs) the (batch, speculative tokens/s, plain
+    tokens/s, verify / plain step) points sorted by batch."""
+    out: dict = {}
+    for r in rs:
+        s = r["shape"]
+        out.setdefault((s["model"], s["method"], s["k"]), {}).setdefault(
+            (r["variant"], s.get("cuda_graphs", False)), []).append(
+            (s["batch"], r["tokens_per_s"], r.get("plain_tokens_per_s"),
+             r.get("verify_over_plain")))
+    for lines in out.values():
+        for pts in lines.values():
+            pts.sort()
+    return out
+
+
+def chart_spec(rs: list[dict], meta: dict, out: Path) -> Path:
+    """Speculative decoding served by vLLM: decode tokens/s with and without speculation per
+    batch (top), the verify step over a plain decode step (bottom, the 1.5x goal marked)."""
+    import matplotlib.pyplot as plt
+    d = spec_series(rs)
+    panels = sorted(d)
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.6 * len(panels), 7.5), squeeze=False)
+    for i, key in enumerate(panels):
+        ax_t, ax_r = axes[0][i], axes[1][i]
+        for j, ((variant, graphs), pts) in enumerate(sorted(d[key].items())):
+            label = f"{variant}{' graphs' if graphs else ' eager'}"
+            xs = [p[0] for p in pts]
+            ax_t.plot(xs, [p[1] for p in pts], marker="o", color=f"C{j}", label=f"{label} spec")
+            ax_t.plot(xs, [p[2] or 0 for p in pts], marker="x", ls="--", color=f"C{j}",
+                      label=f"{label} plain")
+            ax_r.plot(xs, [p[3] or 0 for p in pts], marker="o", color=f"C{j}", label=label)
+        ax_r.axhline(1.5, color="#999999", ls=":", lw=1)
+        for ax, what in ((ax_t, "decode tokens/s (higher is better)"),
+                         (ax_r, "verify step / plain step")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch")
+            ax.set_ylabel(what)
+            ax.legend(fontsize=6)
+        ax_t.set_title(f"{key[0]} {key[1]} k={key[2]}", fontsize=9)
+    fig.suptitle(f"Speculative decoding in vLLM — {meta.get('gpu')} (a100 = A100-faithful "
+                 "kernel choice run on this GPU, not an A100)", fontsize=9)
     return _save(fig, out)
 
 

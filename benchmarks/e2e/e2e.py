@@ -2,6 +2,10 @@
 
     python benchmarks/e2e/e2e.py [--work DIR] [--steps ckpt,agree,graphs,tput] [--quick]
 
+Why this file stays whole: it is the driver of every step, one job list in priority order
+under one --deadline and one results writer over every step's outputs; the steps' own logic
+lives in their modules (long_step.py, refcheck.py, spec_step.py, e2e_models.py).
+
 1. ckpt    deterministic random-weight checkpoints (tools/make_checkpoint.py) of the configs in
            benchmarks/e2e/configs/, in the published formats (V4.1: MXFP8 linears + MXFP4
            experts; V4: fp8 [128,128] linears + MXFP4 experts).
@@ -32,6 +36,8 @@
            (kernel="e2e_agreement"). Partial outputs of stopped engines are reported.
 9. long_reference  the fp32 reference of that 128K prompt (reference.py on this GPU); rows
            kernel="e2e_vs_fp32_reference" and "e2e_reference_check" for the long models.
+10. spec   speculative decoding (spec_step.py, run_spec.py; --spec-* options): rows
+           kernel="spec_decode", "spec_rule", "spec_sm80_audit", "spec_zero_compile".
 --models picks the models of the agree, graphs, reference and nocompile steps (and yoco's):
 the agreement models (default), or per-rank shapes: configs/v41-tp{2,4,8}-mini and
 v4-tp{2,4,8}-mini hold one rank of TP 2 / 4 / 8 of v41-mini / v4-mini (32 / 16 / 8 heads,
@@ -71,6 +77,8 @@ from long_step import (  # noqa: E402,F401
     long_options, long_rows, long_run_timeout, long_runs, run_long, step_long)
 from refcheck import (  # noqa: E402,F401
     METRICS, recheck, ref_out, reference_check, reference_rows)
+from spec_step import (  # noqa: E402
+    add_spec_args, spec_line, spec_options, spec_rows, spec_sample, step_spec)
 
 # --steps yoco: reuse on against off, and the run-to-run floor (a second a100 run), all with
 # the indexer's top-k rows sorted (run.py's *_det modes): without that, two runs of one
@@ -308,6 +316,7 @@ def main() -> int:
                    help="seconds per request (default: run.py's length-scaled limit)")
     g.add_argument("--long-rerun", action="store_true",
                    help="run long engines again whose output exists (complete or partial)")
+    add_spec_args(ap)
     args = ap.parse_args()
     if args.recheck is not None:
         print(json.dumps(recheck(args.recheck), indent=1))
@@ -329,6 +338,7 @@ def main() -> int:
         ap.error(f"--agree-modes: unknown {', '.join(sorted(set(agree_modes) - set(MODES)))}; "
                  f"known: {', '.join(MODES)}")
     long_opts = long_options(args, ap) if steps & {"long", "long_reference"} else None
+    spec_opts = spec_options(args, ap) if "spec" in steps else None
     agree_extra = ["--gpu-mem", str(round(0.9 / args.parallel, 2))]
     if not args.profile_memory:
         agree_extra += ["--kv-cache-gib", str(AGREE_KV_GIB)]
@@ -404,6 +414,9 @@ def main() -> int:
             if not ref_out(work, n, False).exists() and not run_reference(
                     work, n, False, [long_opts["agree_len"]]):
                 not_done.append(f"{n}/fp32/reference")
+    if "spec" in steps:
+        not_done += step_spec(work, spec_opts, sh=sh, left=_left,
+                              dense_routing=None if args.sparse_routing else dense_routing)
     # Results from every run in the work folder, earlier invocations' too (so the steps can
     # run as separate commands and still land in one file).
     outs, tput_outs = [], []
@@ -501,7 +514,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                                  max_abs_dlogprob=p["max_abs_dlogprob"], detail=p))
     rows += reference_rows(work, runs)
     lruns = long_runs(work)
-    rows += long_rows(lruns) + long_agreement_rows(work, lruns)
+    rows += long_rows(lruns) + long_agreement_rows(work, lruns) + spec_rows(work)
     for f in sorted(work.glob("*-a100-nocompile.json")):
         r = json.load(open(f))
         a = r["audit"]
@@ -530,7 +543,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
             sample = json.load(open(p))
             break
     if not sample:
-        sample = next(iter(lruns.values()), None) or {}
+        sample = next(iter(lruns.values()), None) or spec_sample(work)
     # The per-rank models' rows under their own kernels (e2e_models.PER_RANK_ROWS).
     rows = per_rank_rows(rows)
     meta = dict(_meta(sample), date=datetime.date.today().isoformat(), failed_runs=failed_runs,
@@ -540,6 +553,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
     # A run of the long step alone gets its own file name (its rows come from its work folder).
     kind = "e2e-long" if set(args.steps.split(",")) <= {"ckpt", "long", "long_reference"} \
         else "e2e"
+    kind = "e2e-spec" if set(args.steps.split(",")) <= {"ckpt", "spec"} else kind
     # Rows of per-rank models alone: a file of their own beside a 64-head run's.
     if rows and all((r.get("shape") or {}).get("model") in PER_RANK_MODELS for r in rows):
         kind = "e2e-per-rank"
@@ -591,6 +605,8 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                   f"L{row['shape']['prompt_len']:<6d} "
                   + (f"{row['tokens_per_s']:10.1f} tok/s" if row["tokens_per_s"] is not None
                      else f"failed: {row['error']}"))
+        elif k.startswith("spec_"):
+            print(spec_line(row))
         else:
             print(f"  audit {row['shape']['model']}: {row['triton_kernels']} Triton kernels, "
                   f"{row['cuda_ops']} ops, failed: {row['failed'] or 'none'}")
