@@ -29,7 +29,11 @@ LONG_STEP = {"long_agreement": "long (agreement at 128K)",
 # Rows of the CUDA-graph-mode and Hopper-parity drivers (benchmarks/e2e/graph_modes.py,
 # parity.py; docs/e2e.md).
 DRIVER_STEP = {"graph_mode": "graph_modes.py", "hopper_parity": "parity.py"}
-EXTRA_STEP = {**PER_RANK_STEP, **LONG_STEP, **DRIVER_STEP}
+# Rows of the speculative-decoding step (benchmarks/e2e/spec_step.py, e2e.py --steps spec).
+SPEC_STEP = {"spec_decode": "spec", "spec_rule": "spec (the rule)",
+             "spec_sm80_audit": "spec (sm_80 audit, speculation on)",
+             "spec_zero_compile": "spec (zero compile, speculation on)"}
+EXTRA_STEP = {**PER_RANK_STEP, **LONG_STEP, **DRIVER_STEP, **SPEC_STEP}
 
 
 def _num(x) -> bool:
@@ -96,7 +100,13 @@ def headline_e2e(kernel: str, rows: list) -> str:
         return ("top-1 agreement, lowest: " + ", ".join(parts)) if parts else f"{len(rows)} rows"
     if kernel == "graph_mode" and _count(rows, "outputs_match_eager"):
         return f"outputs match eager {_count(rows, 'outputs_match_eager')}"
-    if kernel in ("sm80_audit", "per_rank_sm80_audit"):
+    if kernel == "spec_decode":
+        per = [f"{r.get('variant')} {_shape(r).get('method')} {r['tokens_per_s']:.0f}/"
+               f"{r['plain_tokens_per_s']:.0f}" for r in rows if _shape(r).get("batch") == 1
+               and _num(r.get("tokens_per_s")) and _num(r.get("plain_tokens_per_s"))]
+        return ("batch 1 tok/s, speculative/plain: " + ", ".join(per)) if per \
+            else f"{len(rows)} rows"
+    if kernel in ("sm80_audit", "per_rank_sm80_audit", "spec_sm80_audit"):
         parts = []
         for r in rows:
             failed = r.get("failed")
