@@ -588,13 +588,10 @@ def test_has_cutedsl_gated_below_8_9(writers):
 def test_deepinfer_kernels_register_with_vllm_jit_warmup(writers):
     got = _value(writers, "writers.warmup")
     assert got["registered"] is True and got["entries"] == 1  # two layers, one registration
-    # Ours (on sm80: prefill, and the two-phase decode's first phase; feature ampere_attn:
-    # the standalone inverse RoPE, kernels/inverse_rope.py, and the decode's dense -> ragged
-    # conversion, kernels/ragged_indices.py; feature fp8_sw: patch 0017's pack / unpack,
-    # kernels/pack_seq.py) and upstream's ragged conversion (serve_warmup: compact_rows,
-    # count_valid_rows). The probe's model has no candidate blocks, so neither our
-    # candidate-logits kernels nor upstream's candidate ones (scores, store, flags, mask) are
-    # registered.
+    # Ours (sm80: prefill, the two-phase decode's first phase; ampere_attn: inverse RoPE and
+    # dense -> ragged; fp8_sw: patch 0017's pack / unpack) and upstream's ragged conversion
+    # (serve_warmup: compact_rows, count_valid_rows). No candidate blocks in the probe's
+    # model: no candidate-logits kernel, ours or upstream's, is registered.
     assert got["kernels"] == ["compact_rows", "count_valid_rows", "decode", "decode_predequant",
                               "decode_reduce", "indexer_logits", "inverse_rope", "kv_gather",
                               "pack_seq_pack", "pack_seq_unpack", "prefill", "ragged_compact",

@@ -100,6 +100,10 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # (vllm.deepinfer.yoco): the layers compute the same thing either way, hence on
     # everywhere; 0 rebuilds it in every layer, as upstream does.
     Feature("yoco_reuse", _ALL, "cross-layer metadata reuse (YOCO) within one forward"),
+    # Upstream's decode top-k forms row x stride in 32 bits (vllm.deepinfer.topk_rows): past
+    # 2^31 logits elements the call runs in row chunks of whole requests. Identical below the
+    # bound, hence on everywhere; 0 makes every call one upstream call.
+    Feature("topk_rows", _ALL, "indexer decode top-k in row chunks within 32-bit offsets"),
     # V4.1's compressed-KV and index-K pages of 64 tokens on the Ampere path (upstream's SM90
     # page) instead of upstream's 128 off SM90 (attention/ampere_v41.py: the MLA backend and
     # DeepinferAmpereV41IndexerBackend). vLLM's own packing fed the real layer specs

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm.deepinfer import arch, reserve, routing, sorted_topk, spec, yoco
+from vllm.deepinfer import arch, reserve, routing, sorted_topk, spec, step_limits, yoco
 from vllm.deepinfer.kernels.inverse_rope import inverse_rope_rows_
 # Ours, not upstream's function of the same name: the same lists with int64 offsets, and a
 # host check where a batch's lists would pass what the decode's int32 indptr can address.
@@ -231,7 +231,13 @@ class AmpereAttentionMixin:
         self._ampere_variant = self._resolve_variant()
         from vllm.config import get_current_vllm_config
         # The engine limits the profile run's reservations are sized from.
-        self._reserve_limits = reserve.Limits.from_vllm_config(get_current_vllm_config())
+        cfg = get_current_vllm_config()
+        self._reserve_limits = reserve.Limits.from_vllm_config(cfg)
+        # Upstream's rms_norm wraps past 2^32 output elements per step (step_limits.py).
+        hidden = getattr(getattr(cfg, "model_config", None), "get_hidden_size", None)
+        if callable(hidden):
+            step_limits.check_norm_rows(self._reserve_limits.max_num_batched_tokens,
+                                        hidden(), self.prefix)
         # Speculative decoding's limit on this path, refused here at engine start (spec.py).
         if self._reserve_limits.num_speculative_tokens:
             spec.check(self._reserve_limits, self.window_size,

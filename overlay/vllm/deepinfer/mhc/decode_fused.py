@@ -1,6 +1,8 @@
 """mHC at decode token counts (1-32 tokens): post, projection, Sinkhorn and pre-mix in ONE
 Triton launch, for V4.1's shifted/delayed boundary and V4's fused one (docs/mhc.md, section
-6, "The decode kernel").
+6, "The decode kernel"). Why this file stays whole: one kernel whose three CTA roles share
+the ticket and release protocol, its workspace and its launcher; split, each wait would sit
+in another file than the release it waits on.
 
 Upstream (vLLM 0.33.0, ``kernels/mhc/tilelang.py``) runs a layer boundary at these sizes as
 two TileLang launches: the fused post + split-k projection (``mhc_fused_tilelang``, one
