@@ -337,7 +337,7 @@ def main(argv=None, sh=None) -> int:
         raise SystemExit(str(e))
     table = ep.plan_table(plan, work, start_s)
     for t in table:
-        print(f"  {t['tag']:48s} {'done' if t['done'] else t['start']:5s} "
+        print(f"  {t['tag']:48s} {'done' if t['done'] else t['start']:16s} "
               f"~{t['estimate_s']:4.0f} s", flush=True)
     if args.plan:
         return 0
