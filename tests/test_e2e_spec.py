@@ -435,6 +435,23 @@ def test_step_runs_groups_and_rows(tmp_path, monkeypatch):
     assert not [s for s in started if s[0] == "engine"]
 
 
+def test_plain_serves_again_for_a_case_added_later(tmp_path):
+    """A group's plain engine whose output lacks a speculative output of its group that
+    exists now (served by a later invocation) is served again, and then scores it."""
+    started = []
+    sh = _fake_sh(started)
+    only_mtp = _opts(cases=[("v4-mtp-mini", "mtp", 1)], forms=["eager"], modes=["a100"])
+    assert spec_step.step_spec(tmp_path, only_mtp, sh=sh) == []
+    both = _opts(cases=[("v4-mtp-mini", "mtp", 1), ("v4-dspark-mini", "dspark", 5)],
+                 forms=["eager"], modes=["a100"])
+    started.clear()
+    assert spec_step.step_spec(tmp_path, both, sh=sh) == []
+    assert [s[1] for s in started if s[0] == "engine"] == [
+        "v4-dspark-mini-a100-spec-dspark-eager", "v4-mini-a100-specplain-eager"]
+    rule = [r for r in spec_step.spec_rows(tmp_path) if r["kernel"] == "spec_rule"]
+    assert sorted(r["shape"]["method"] for r in rule if r["passed"]) == ["dspark", "mtp"]
+
+
 def test_deadline_drops_the_tail_in_order(tmp_path):
     started = []
     budget = [spec_step.ENGINE_S["eager"] * 2.5]

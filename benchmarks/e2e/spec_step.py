@@ -209,9 +209,19 @@ def plan(work: Path, opts: dict) -> list[dict]:
         out.append(dict(tag=p.stem, out=p, group=(g["family"], mode, form),
                         cmd=plain_command(work, g["family"], mode, form, scored, opts, beside),
                         model=g["family"], form=form,
-                        estimate_s=engine_estimate(form, opts["quick"]),
-                        done=p.exists() and not opts["rerun"]))
+                        estimate_s=engine_estimate(form, opts["quick"]), scored=scored,
+                        done=not opts["rerun"] and _scored_all(p, scored)))
     return out
+
+
+def _scored_all(plain: Path, scored: list[Path]) -> bool:
+    """Whether the plain output exists and scored each of the group's speculative outputs
+    that exists (one that a later invocation served is scored by serving plain again)."""
+    r = _load(plain) if plain.exists() else None
+    if r is None:
+        return False
+    have = set(r.get("scores") or {})
+    return all(f.stem in have for f in scored if f.exists())
 
 
 def _when(e: dict) -> str:
@@ -259,8 +269,8 @@ def step_spec(work: Path, opts: dict, *, sh, left=lambda: float("inf"),
     def run_group(es) -> list[str]:
         missed = []
         for e in es:
-            if e["done"]:
-                continue
+            if e["done"] and (e.get("scored") is None or _scored_all(e["out"], e["scored"])):
+                continue   # (a plain engine is checked again: its group may have grown)
             if stop[0] or left() < e["estimate_s"]:
                 stop[0] = True
                 missed.append(f"{e['tag']} (not started: ~{e['estimate_s']:.0f} s does not "
