@@ -452,6 +452,20 @@ def test_plain_serves_again_for_a_case_added_later(tmp_path):
     assert sorted(r["shape"]["method"] for r in rule if r["passed"]) == ["dspark", "mtp"]
 
 
+def test_spec_plan_prints_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    started = []
+    monkeypatch.setattr(e2e, "sh", _fake_sh(started))
+    monkeypatch.setattr(sys, "argv", ["e2e.py", "--work", str(tmp_path / "w"), "--results",
+                                      str(tmp_path / "r"), "--steps", "ckpt,spec", "--spec-plan",
+                                      "--spec-forms", "graphs", "--spec-modes", "a100"])
+    with pytest.raises(SystemExit) as exc:
+        e2e.main()
+    assert exc.value.code == 0 and started == [] and not (tmp_path / "r").exists()
+    out = capsys.readouterr().out
+    assert "~180 s  v41-dspark-mini-a100-spec-dspark-graphs" in out
+    assert "7 of 7 engines to run, estimated 1260 s" in out
+
+
 def test_deadline_drops_the_tail_in_order(tmp_path):
     started = []
     budget = [spec_step.ENGINE_S["eager"] * 2.5]

@@ -278,6 +278,7 @@ def decode_window(llm, ps, steps: int, clock: StepClock, k: int = 0) -> dict:
             eng.abort_request(list(ids))
     clock.on = False
     if t1 is None:
+        eng.abort_request(list(ids))   # none may stay to share the next window's steps
         raise RuntimeError(f"decode window not reached: counts {sorted(counts.values())}")
     clk = clock.summary(m0, m1, len(ps))
     n_steps = clk["steps"] or calls

@@ -253,11 +253,12 @@ def make_checkpoints(work: Path, models, sh, dense_routing=None) -> None:
 def step_spec(work: Path, opts: dict, *, sh, left=lambda: float("inf"),
               dense_routing=None) -> list[str]:
     """Run the step's engines (``sh``: e2e.sh, with its deadline; ``left``: seconds the
-    deadline leaves). Returns the engines that did not finish or did not start."""
+    deadline leaves). Returns the engines that did not finish or did not start. With
+    --spec-plan it prints the plan and ends the process (no results file is written)."""
     engines = plan(work, opts)
     print("\n".join(plan_lines(engines)), flush=True)
     if opts.get("plan_only"):
-        return []
+        raise SystemExit(0)
     models = list(dict.fromkeys([m for m, _, _ in opts["cases"]]
                                 + [PLAIN_OF[m] for m, _, _ in opts["cases"]]))
     make_checkpoints(work, models, sh, dense_routing)
