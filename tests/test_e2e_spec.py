@@ -28,6 +28,7 @@ import run_spec  # noqa: E402
 import spec_rule  # noqa: E402
 import spec_step  # noqa: E402
 import subproc  # noqa: E402
+sys.path.insert(0, str(REPO / "tests"))
 
 R = spec_rule
 
@@ -748,3 +749,44 @@ def test_audit_builds_within_the_ampere_shared_memory_budget(tmp_path):
     assert big80["shared"] > audit.SMEM_BUDGET
     assert f"> {audit.SMEM_BUDGET} B budget" in big80["error"]
     assert "budget" not in big90["error"]
+
+
+# ----------------------------------------------------------------------------- run_spec.py main
+def test_run_spec_main_on_a_stand_in_vllm(tmp_path):
+    """run_spec.py itself, both roles, in subprocesses on a stand-in vLLM (tests/spec_fakes.py):
+    the LLM's arguments, the hooks on its model runner, the counters, the decode windows, and
+    the rule over the two outputs (a stand-in that speculates correctly passes it)."""
+    import os
+    import spec_fakes
+    root = spec_fakes.write_fake_vllm(tmp_path / "fake")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    log = tmp_path / "llm.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(root), FAKE_LLM_LOG=str(log), FAKE_ACCEPT="2")
+    script = str(REPO / "benchmarks" / "e2e" / "run_spec.py")
+    common = ["--model", str(ckpt), "--mode", "a100", "--form", "eager", "--quick",
+              "--kv-cache-gib", "1", "--batches", "1", "4"]
+    spec_json, plain_json = tmp_path / "v4-mtp-mini-a100-spec-mtp-eager.json", tmp_path / "p.json"
+    for extra in (["--role", "spec", "--method", "mtp", "--k", "5", "--out", str(spec_json)],
+                  ["--role", "plain", "--score", str(spec_json), "--out", str(plain_json)]):
+        r = subproc.run([sys.executable, script, *common, *extra], env=env, cwd=tmp_path, cap=120)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    kws = [json.loads(x) for x in log.read_text().splitlines()]
+    assert kws[0]["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 5}
+    assert kws[1]["speculative_config"] is None
+    assert all(k["enforce_eager"] and k["disable_log_stats"] is False
+               and k["kv_cache_memory_bytes"] == 1 << 30 for k in kws)
+    s, p = json.load(open(spec_json)), json.load(open(plain_json))
+    assert s["hooks"] and s["gpu"] == "NVIDIA H200" and s["k"] == 5 and p["k"] == 0
+    assert s["rule_acceptance"]["acceptance"] == pytest.approx(2 / 5)
+    for row in s["rows"]:
+        assert row["clock"]["steps"] > 0 and row["clock"]["draft_us"] is not None
+        assert row["acceptance"]["mean_acceptance_length"] == pytest.approx(3.0)
+        assert row["tokens_per_request_step"] == pytest.approx(3.0, abs=0.2)
+    assert [r["batch"] for r in p["rows"]] == [1, 4]
+    assert all(r["clock"]["draft_us"] is None and r["acceptance"] is None for r in p["rows"])
+    assert set(p["scores"]) == {"plain", spec_json.stem}
+    rule = spec_rule.rule(s, p, spec_json.stem)
+    assert rule["passed"] is True and rule["positions_checked"] == rule["positions"] > 0
+    assert rule["noise"] == pytest.approx(0.001) and rule["control"]["passed"] is True
