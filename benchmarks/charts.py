@@ -275,10 +275,12 @@ def chart_spec(rs: list[dict], meta: dict, out: Path) -> Path:
             label = f"{variant}{' graphs' if graphs else ' eager'}"
             xs = [p[0] for p in pts]
             ax_t.plot(xs, [p[1] for p in pts], marker="o", color=f"C{j}", label=f"{label} spec")
-            ax_t.plot(xs, [p[2] or 0 for p in pts], marker="x", ls="--", color=f"C{j}",
-                      label=f"{label} plain")
-            ax_r.plot(xs, [p[3] or 0 for p in pts], marker="o", color=f"C{j}", label=label)
-        ax_r.axhline(1.5, color="#999999", ls=":", lw=1)
+            nan = float("nan")   # a missing figure is a gap, not a zero
+            ax_t.plot(xs, [nan if p[2] is None else p[2] for p in pts], marker="x", ls="--",
+                      color=f"C{j}", label=f"{label} plain")
+            ax_r.plot(xs, [nan if p[3] is None else p[3] for p in pts], marker="o",
+                      color=f"C{j}", label=label)
+        ax_r.axhline(1.5, color="#999999", ls=":", lw=1, label="goal 1.5x")
         for ax, what in ((ax_t, "decode tokens/s (higher is better)"),
                          (ax_r, "verify step / plain step")):
             ax.set_xscale("log", base=2)
