@@ -59,8 +59,8 @@ REPEATS = 3
 # one that changes decode kernels' code, then the one that changes the decode graph's
 # launches, then host-side calls, then prefill-only and inert ones. Features of the arch
 # not named here follow in envs.py's order.
-SUSPECTS = ("serve_warmup", "yoco_reuse", "candidate_logits", "kv_gather", "topk_swa",
-            "sparse_mla_decode", "kv_page64", "deep_gemm_gate")
+SUSPECTS = ("serve_warmup", "yoco_reuse", "candidate_logits", "topk_rows", "kv_gather",
+            "topk_swa", "sparse_mla_decode", "kv_page64", "deep_gemm_gate")
 
 
 def load_envs():
