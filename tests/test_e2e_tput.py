@@ -96,6 +96,9 @@ def test_agree_repeats_the_generation_in_the_same_process(monkeypatch):
     """--repeat 2: agree() generates the same prompts twice and keeps the second as
     ``repeats``; a stand-in engine whose second generation differs shows up there."""
     run = _run_module()
+    # agree() resets vllm.deepinfer.yoco's totals: import it before vllm is stood in for
+    # (alone, this test would otherwise find no vllm.deepinfer under the stand-in)
+    from vllm.deepinfer import yoco  # noqa: F401
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(
         SamplingParams=lambda **kw: types.SimpleNamespace(**kw)))
     lp = lambda v: types.SimpleNamespace(logprob=v)  # noqa: E731
