@@ -9,7 +9,7 @@ docs/ampere-path.md for what is and is not implemented.
 """
 from __future__ import annotations
 
-from vllm.deepinfer import arch, routing
+from vllm.deepinfer import arch, pp_split, routing
 from vllm.deepinfer.kernels import shapes
 from vllm.deepinfer.attention.common import (
     AmpereAttentionMixin,
@@ -179,6 +179,10 @@ class DeepinferAmpereV41Attention(AmpereAttentionMixin, DeepseekV4Attention):
         return DeepinferAmpereV41Indexer
 
     def __init__(self, *args, **kwargs) -> None:
+        # A pipeline split inside a KV-sharing group: refused in one line on every stage
+        # before upstream's constructor raises at a later stage's first consumer (pp_split).
+        pp_split.check_layer(kwargs.get("vllm_config", args[0] if args else None),
+                             kwargs.get("prefix", args[1] if len(args) > 1 else ""))
         super().__init__(*args, **kwargs)
         if self.indexer is not None:
             adopt_index_cache(self.indexer.k_cache)
