@@ -99,6 +99,21 @@ def test_layouts_cover_what_they_claim(probe, case):
     assert any(ch["token_start"] < s < ch["token_end"] for s in starts for ch in c["chunks"])
 
 
+def test_the_e2e_counter_counts_every_exchange(probe):
+    """benchmarks/e2e/rank_audit.py counts vLLM's exchange_topk calls and rows (what a GPU run
+    reports to say the sharded path ran): here every emulated rank's call, controls included."""
+    assert probe["counter_installed"] is True
+    calls = rows = 0
+    for c in probe["cases"].values():
+        for s in c["scorers"].values():
+            for lay in s["layouts"].values():
+                calls += len(lay["sizes"])
+                rows += len(lay["sizes"]) * c["rows"]
+            calls += len(s["control_reversed_equal"])
+            rows += len(s["control_reversed_equal"]) * c["rows"]
+    assert probe["counted"] == {"row_shard_exchanges": calls, "row_shard_rows": rows}
+
+
 def test_ties_were_broken_and_the_control_differs(probe):
     for case in CASES:
         for scorer, s in probe["cases"][case]["scorers"].items():

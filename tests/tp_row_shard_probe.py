@@ -304,7 +304,12 @@ def main() -> int:
         cpu_platform()
         from vllm.deepinfer import routing
         res["indexer_logits_routed"] = bool(routing.use("indexer_logits"))
+        # benchmarks/e2e/rank_audit.py's counter of the row shard, on the real class.
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "e2e"))
+        import rank_audit
+        res["counter_installed"] = rank_audit.count_row_shard()
         res["cases"] = {c[0]: run_case(*c, seed=i) for i, c in enumerate(CASES)}
+        res["counted"] = dict(rank_audit._COUNTS)
     except BaseException as e:  # noqa: BLE001 - the probe reports everything
         res["error"] = f"{type(e).__name__}: {e}"
         res["trace"] = traceback.format_exc()[-4000:]
