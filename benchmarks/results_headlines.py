@@ -33,7 +33,17 @@ DRIVER_STEP = {"graph_mode": "graph_modes.py", "hopper_parity": "parity.py"}
 SPEC_STEP = {"spec_decode": "spec", "spec_rule": "spec (the rule)",
              "spec_sm80_audit": "spec (sm_80 audit, speculation on)",
              "spec_zero_compile": "spec (zero compile, speculation on)"}
-EXTRA_STEP = {**PER_RANK_STEP, **LONG_STEP, **DRIVER_STEP, **SPEC_STEP}
+# Rows of the two-GPU step (benchmarks/e2e/topology.py; docs/e2e.md "Two GPUs"): their own
+# names, so that a TP2 / PP2 file is not the current one-GPU agreement or throughput file.
+TOPOLOGY_STEP = {"topology_agreement": "topology.py (agreement)",
+                 "topology_vs_fp32_reference": "topology.py (reference)",
+                 "topology_reference_check": "topology.py (reference check)",
+                 "topology_sm80_audit": "topology.py (sm_80 audit per rank)",
+                 "topology_zero_compile": "topology.py (zero compile per rank)",
+                 "topology_tput": "topology.py (throughput)",
+                 "topology_spec_decode": "topology.py (DSpark)",
+                 "topology_spec_rule": "topology.py (DSpark rule)"}
+EXTRA_STEP = {**PER_RANK_STEP, **LONG_STEP, **DRIVER_STEP, **SPEC_STEP, **TOPOLOGY_STEP}
 
 
 def _num(x) -> bool:
