@@ -9,7 +9,7 @@ tests/test_spec_decode_layer.py in a subprocess:
 
 and prints one JSON object (the last stdout line). On CPU the kernels run under the Triton
 interpreter (variant sm80) at the tiny sizes of tests/vllm_probe_common.py; with
-``--device cuda`` on a GPU (the lead's H200 run: DEEPINFER_ARCH picks the variant) and
+``--device cuda`` on a GPU (an H200 run: DEEPINFER_ARCH picks the variant) and
 ``--real`` the layers take the real V4.1/V4 attention sizes (64 heads, window 128, top-k
 512) and longer contexts.
 
