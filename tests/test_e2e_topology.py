@@ -67,7 +67,7 @@ def test_v4_needs_no_split():
 
 # --------------------------------------------------------------------------- the plan
 def _opts(**kw):
-    base = dict(parts=list(topo.PARTS), topologies=list(topo.TOPOLOGIES), models=["v41-mini",
+    base = dict(parts=list(topo.PARTS), topologies=list(topo.DEFAULT_TOPOLOGIES), models=["v41-mini",
                 "v4-mini"], modes=list(topo.MODES), quick=False, parallel=2)
     return {**base, **kw}
 
@@ -103,6 +103,7 @@ def test_plan_order_tags_and_commands(tmp_path):
         want_split = topo.PP2_PARTITION.get(e.model) if t["pp"] > 1 else None
         assert args.pp_partition == want_split, e.tag
         assert args.row_shard_min_rows == (2 if e.topo == "tp2rs" else None), e.tag
+        assert not args.no_custom_all_reduce and args.nccl == {}
         assert args.rank_audit == (e.mode == "a100" and e.form in ("eager", "nocompile")), e.tag
         if e.form == "eager":
             assert r.eager and r.task == "agree"
@@ -135,6 +136,19 @@ def test_plan_selection_and_quick(tmp_path):
     assert es[0].estimate_s == topo.ESTIMATE_S["eager"] - topo.QUICK_SAVES_S
 
 
+def test_nccl_topologies(tmp_path):
+    es = topo.plan(tmp_path, _opts(parts=["graphs"], topologies=["tp2nccl", "tp2ring"],
+                                   models=["v41-mini"], modes=["a100"]))
+    (a, _), (b, _) = (_parse(e) for e in es)
+    assert a.no_custom_all_reduce and a.nccl == {}
+    assert b.no_custom_all_reduce and b.nccl == {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
+    assert topo.shape_of("tp2ring", "v41-mini") == dict(
+        tp=2, pp=1, custom_all_reduce=False, nccl_env=topo.RING_SIMPLE)
+    env = rt.environment(b, {})
+    assert env["NCCL_ALGO"] == "Ring" and env["NCCL_PROTO"] == "Simple"
+    assert set(topo.AGAINST) == set(topo.TOPOLOGIES)
+
+
 def test_cli_refuses_unknown_names():
     with pytest.raises(SystemExit):
         topo.parse_args(["--topologies", "tp4"])
@@ -148,7 +162,8 @@ def test_run_topology_arguments():
     assert (a.tp, a.pp, a.runner) == (2, 1, "run") and rest[:2] == ["--model", "m"]
     for bad in (["--pp", "2", "--pp-partition", "5"], ["--pp", "2", "--pp-partition", "0,10"],
                 ["--tp", "2", "--", "--audit"], ["--rank-audit", "--", "--audit"],
-                ["--rank-audit", "--runner", "spec", "--", "--form", "nocompile"], ["--tp", "0"]):
+                ["--rank-audit", "--runner", "spec", "--", "--form", "nocompile"], ["--tp", "0"],
+                ["--nccl-env", "ALGO=Ring"], ["--nccl-env", "NCCL_NVLS_ENABLE=1"]):
         with pytest.raises(SystemExit):
             rt.parse_args(bad)
     # at TP2 the spec runner's own in-process audit sees no model code: the rank audit is it
@@ -278,9 +293,9 @@ def test_run_topology_around_run_py_on_the_stand_in(tmp_path):
                           "E2E_RANK_AUDIT": "1"}
     res = json.loads(out.read_text())
     assert res["topology"] == dict(tp=1, pp=2, pp_partition="6,4", world_size=2,
-                                   row_shard_min_rows=None)
-    # the stand-in has no PrefillRowShard: nothing counted, on both ranks
-    assert res["rank_counters"] == [{}, {}]
+                                   row_shard_min_rows=None, custom_all_reduce=True, nccl_env={})
+    # the stand-in has no PrefillRowShard and no process groups: nothing counted or wrapped
+    assert res["rank_counters"] == [{"collectives_wrapped": 0}] * 2
     assert [x["rank"] for x in res["ranks"]] == [0, 1] and all(x["audit"] for x in res["ranks"])
     assert len(res["rank_audit"]) == 2 and res["audit"]["ranks"] == 2
     assert res["audit"]["zero_compile"] is True
@@ -392,3 +407,59 @@ def test_deadline_leaves_the_tail_in_order(tmp_path, monkeypatch):
     meta = json.loads(res.read_text())["meta"]
     assert meta["not_run"] == ["topo-tp2-v41-tput-a100-tput"]
     assert "not started" in meta["failed_runs"][0]
+
+
+def test_collectives_are_counted_by_implementation_and_capture(monkeypatch):
+    """rank_audit.count_collectives on stand-in TP and PP communicators: each call counted
+    under its group, implementation and method, "captured" while the stream captures (the
+    collectives inside the CUDA graphs), "eager" otherwise; wrapping twice wraps nothing."""
+    import types
+
+    import torch
+
+    import rank_audit as ra
+    calls = []
+
+    class Comm:
+        disabled = False
+
+        def __init__(self, name):
+            self.name = name
+
+        def all_reduce(self, x):
+            calls.append((self.name, "all_reduce"))
+            return x
+
+        def custom_all_reduce(self, x):
+            calls.append((self.name, "custom_all_reduce"))
+            return x
+    tp = types.SimpleNamespace(world_size=2, device_communicator=types.SimpleNamespace(
+        pynccl_comm=Comm("tp-nccl"), ca_comm=Comm("tp-ca"), symm_mem_comm=None))
+    pp = types.SimpleNamespace(world_size=2, device_communicator=types.SimpleNamespace(
+        pynccl_comm=Comm("pp-nccl")))
+    ps_mod = types.ModuleType("vllm.distributed.parallel_state")
+    ps_mod.get_tp_group, ps_mod.get_pp_group = (lambda: tp), (lambda: pp)
+    dist = types.ModuleType("vllm.distributed")
+    dist.parallel_state = ps_mod
+    monkeypatch.setitem(sys.modules, "vllm.distributed", dist)
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", ps_mod)
+    monkeypatch.setattr(ra, "_COUNTS", type(ra._COUNTS)())
+    assert sorted(ra.count_collectives()) == ["pp.pynccl.all_reduce",
+                                              "tp.custom_ar.custom_all_reduce",
+                                              "tp.pynccl.all_reduce"]
+    assert ra.count_collectives() == []
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    dc = tp.device_communicator
+    dc.ca_comm.custom_all_reduce(1)
+    capturing[0] = True
+    dc.ca_comm.custom_all_reduce(1)
+    dc.pynccl_comm.all_reduce(1)
+    pp.device_communicator.pynccl_comm.all_reduce(1)
+    assert dict(ra._COUNTS) == {"tp.custom_ar.custom_all_reduce.eager": 1,
+                                "tp.custom_ar.custom_all_reduce.captured": 1,
+                                "tp.pynccl.all_reduce.captured": 1,
+                                "pp.pynccl.all_reduce.captured": 1}
+    assert len(calls) == 4   # the real methods ran
+    st = ra.collectives_state()
+    assert st["tp"]["custom_ar"] == {"disabled": False} and "symm_mem" not in st["tp"]

@@ -11,14 +11,18 @@ so a Recorder installed there records the model's construction, vLLM's warmup an
 ("load"), then, switched by the driver through ``collective_rpc``, the served requests
 ("serve"). With ``E2E_RANK_AUDIT`` unset only ``deepinfer_rank_info`` answers.
 
-Always (audit or not) the prefill indexer's TP row shard is counted: every call of vLLM's
+Always (audit or not), counted per rank: every call of vLLM's
 ``PrefillRowShard.exchange_topk`` (model_executor/layers/sparse_attn_indexer.py) and the rows
-it gathered, so a run says whether the sharded path executed at all.
+it gathered, so a run says whether the prefill indexer's TP row shard executed at all; and
+every call into the TP and PP groups' collective implementations (PyNCCL, the custom
+all-reduce, torch symmetric memory, FlashInfer's all-reduce), split by whether the current
+stream was capturing a CUDA graph: Python does not run at replay, so the "captured" counts
+are the collectives inside the graphs, by implementation.
 
 Methods (called as ``llm.collective_rpc("<name>")``; prefixed so they cannot collide with the
 worker's own attributes, which vLLM asserts):
   deepinfer_rank_info         ranks, device, layer range and attention classes of this rank
-  deepinfer_rank_counters     the row shard's exchanges and rows on this rank
+  deepinfer_rank_counters     the row shard's exchanges and rows, the collectives' calls
   deepinfer_rank_audit_phase  set the recorder's phase ("serve", "after")
   deepinfer_rank_audit_check  audit.check of this rank's recorder (compiles each recorded
                               Triton kernel for sm_80 and sm_86: seconds to minutes)
@@ -89,10 +93,87 @@ def _layer_range(model) -> tuple[int, int] | None:
     return None
 
 
+# The collective implementations of vLLM's CudaCommunicator and the methods counted.
+COLLECTIVES = (("pynccl", "pynccl_comm", ("all_reduce", "all_gather", "all_gatherv",
+                                          "reduce_scatter", "reduce_scatterv", "send", "recv",
+                                          "broadcast")),
+               ("custom_ar", "ca_comm", ("custom_all_reduce",)),
+               ("symm_mem", "symm_mem_comm", ("all_reduce",)),
+               ("flashinfer_ar", "fi_ar_comm", ("all_reduce",)))
+
+
+def _groups():
+    try:
+        from vllm.distributed import parallel_state as ps
+    except Exception:  # noqa: BLE001
+        return []
+    out = []
+    for name, get in (("tp", ps.get_tp_group), ("pp", ps.get_pp_group)):
+        try:
+            out.append((name, get()))
+        except Exception:  # noqa: BLE001 - not initialized
+            continue
+    return out
+
+
+def count_collectives() -> list[str]:
+    """Wrap the collective methods of this process's TP and PP communicators (see the module
+    docstring); returns what was wrapped."""
+    import torch
+
+    def counting(f, key):
+        def wrapper(*a, **k):
+            try:
+                cap = torch.cuda.is_current_stream_capturing()
+            except RuntimeError:   # a torch without CUDA
+                cap = False
+            _COUNTS[f"{key}.{'captured' if cap else 'eager'}"] += 1
+            return f(*a, **k)
+        wrapper._deepinfer_counted = True
+        return wrapper
+    done = []
+    for gname, g in _groups():
+        dc = getattr(g, "device_communicator", None)
+        for impl, attr, methods in COLLECTIVES:
+            obj = getattr(dc, attr, None)
+            for m in methods if obj is not None else ():
+                f = getattr(obj, m, None)
+                if f is None or getattr(f, "_deepinfer_counted", False):
+                    continue
+                setattr(obj, m, counting(f, f"{gname}.{impl}.{m}"))
+                done.append(f"{gname}.{impl}.{m}")
+    return done
+
+
+def collectives_state() -> dict:
+    """Per group: which implementations exist and are enabled (and the custom all-reduce's
+    size limit and link), the NCCL version torch reports."""
+    out: dict = {}
+    for gname, g in _groups():
+        dc = getattr(g, "device_communicator", None)
+        st = dict(world_size=getattr(g, "world_size", None))
+        for impl, attr, _ in COLLECTIVES:
+            obj = getattr(dc, attr, None)
+            if obj is None:
+                continue
+            st[impl] = dict(disabled=bool(getattr(obj, "disabled", False)))
+            for k in ("max_size", "fully_connected"):
+                if hasattr(obj, k):
+                    st[impl][k] = getattr(obj, k)
+        out[gname] = st
+    try:
+        import torch
+        out["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as e:  # noqa: BLE001
+        out["nccl_version_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 class RankAudit:
     @staticmethod
     def init_worker_extension(worker) -> None:
         count_row_shard()
+        _COUNTS.setdefault("collectives_wrapped", len(count_collectives()))
         if os.environ.get(ENV) != "1" or _REC:
             return
         from audit import Recorder
@@ -123,6 +204,7 @@ class RankAudit:
                 if "Attention" in type(mod).__name__ and name.endswith(".attn"):
                     kinds[type(mod).__name__] += 1
         out["attention_classes"] = dict(kinds)
+        out["collectives"] = collectives_state()
         rec = _recorder()
         if rec is not None:
             out["draft_region"] = _wrap_propose(self, rec)

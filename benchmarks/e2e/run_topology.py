@@ -12,7 +12,10 @@ What lands in the runner's output:
   ranks       per rank (rank_audit.deepinfer_rank_info): tp/pp rank, device, layer range,
               attention classes
   rank_counters  per rank: the prefill indexer's row-shard exchanges and rows
-              (``--row-shard-min-rows`` lowers vLLM's 65,536-row threshold for sharding)
+              (``--row-shard-min-rows`` lowers vLLM's 65,536-row threshold for sharding), and
+              the TP/PP collectives' calls per implementation, inside CUDA-graph capture or
+              not (``--no-custom-all-reduce`` sends every TP all-reduce to PyNCCL;
+              ``--nccl-env`` sets NCCL_* variables for the workers)
   rank_audit  with --rank-audit, per rank: audit.check of the recorder in that worker
   audit       with --rank-audit, the ranks' audits merged (a Triton kernel or op per rank,
               ``failed`` and the compiles while serving of every rank, ``zero_compile`` only
@@ -62,6 +65,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
                     help="attention_config.indexer_tp_shard_min_rows (vLLM's default 65,536): "
                     "prefill steps of at least this many rows shard the indexer's rows over "
                     "the TP ranks")
+    ap.add_argument("--no-custom-all-reduce", action="store_true",
+                    help="disable_custom_all_reduce=True: every TP all-reduce through PyNCCL "
+                    "(inside the CUDA graphs too)")
+    ap.add_argument("--nccl-env", default="",
+                    help="NCCL_* variables for the workers, K=V comma-separated (e.g. "
+                    "NCCL_ALGO=Ring,NCCL_PROTO=Simple)")
     ap.add_argument("--rank-audit", action="store_true",
                     help="the sm_80 audit inside every worker (rank_audit.py)")
     ap.add_argument("--runner", choices=RUNNERS, default="run",
@@ -73,6 +82,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         parts = [p for p in args.pp_partition.split(",") if p.strip()]
         if len(parts) != args.pp or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
             ap.error(f"--pp-partition {args.pp_partition!r}: {args.pp} positive layer counts")
+    args.nccl = {}
+    for part in _csv(args.nccl_env):
+        k, eq, v = part.partition("=")
+        if not eq or not k.startswith("NCCL_") or k in NO_MULTICAST:
+            ap.error(f"--nccl-env {part!r}: NCCL_<NAME>=<value>, not {', '.join(NO_MULTICAST)}")
+        args.nccl[k] = v
     world = args.tp * args.pp
     if world > 1 and "--audit" in rest:
         ap.error("--audit records in this process, which runs no model code at TP or PP > 1: "
@@ -84,11 +99,16 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
+def _csv(text: str) -> list[str]:
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
+
+
 def environment(args, env=None) -> dict:
     """What this process sets before vLLM is imported (returned; applied by main)."""
     env = dict(os.environ if env is None else env)
     for k, v in NO_MULTICAST.items():
         env.setdefault(k, v)
+    env.update(getattr(args, "nccl", {}))
     if args.pp_partition:
         env[PP_ENV] = args.pp_partition
     else:
@@ -110,6 +130,8 @@ def llm_kwargs(args, kw: dict) -> dict:
     if args.row_shard_min_rows is not None:
         kw["attention_config"] = dict(kw.get("attention_config") or {},
                                       indexer_tp_shard_min_rows=args.row_shard_min_rows)
+    if args.no_custom_all_reduce:
+        kw["disable_custom_all_reduce"] = True
     if args.tp * args.pp > 1:
         kw["distributed_executor_backend"] = "mp"
     return kw
@@ -204,7 +226,9 @@ def main(argv=None) -> int:
         if str(path) == out_path and isinstance(obj, dict):
             obj = dict(obj, topology=dict(tp=args.tp, pp=args.pp, pp_partition=args.pp_partition,
                                           world_size=args.tp * args.pp,
-                                          row_shard_min_rows=args.row_shard_min_rows),
+                                          row_shard_min_rows=args.row_shard_min_rows,
+                                          custom_all_reduce=not args.no_custom_all_reduce,
+                                          nccl_env=dict(args.nccl)),
                        ranks=state.get("ranks"))
             llm = state.get("llm")
             if llm is not None:

@@ -14,7 +14,9 @@ PP2_PARTITION, the nearest split vllm.deepinfer.pp_split finds to vLLM's even sp
 cuts a group in every V4.1 config here and which the Ampere path refuses), tp2rs (TP2 with
 the prefill indexer's rows sharded over the two ranks from 2 rows on: vLLM's default
 threshold of 65,536 rows keeps every prefill of these runs replicated), tp1 (one GPU,
-through the same wrapper: the baseline of the same machine).
+through the same wrapper: the baseline of the same machine); on request tp2nccl and tp2ring
+(TP2 with the custom all-reduce off: PyNCCL inside the CUDA graphs; tp2ring with NCCL pinned
+to Ring/Simple).
 
 Parts, in priority order (a --deadline drops the tail; finished engines are kept in the work
 folder and, with --bundle, in one file carried to the next machine):
@@ -68,11 +70,20 @@ from run_topology import NO_MULTICAST  # noqa: E402
 # (attention_config.indexer_tp_shard_min_rows; vLLM's 65,536 leaves every prefill of these
 # runs replicated, so PrefillRowShard never runs at tp2).
 ROW_SHARD_MIN_ROWS = 2
+# tp2nccl / tp2ring (not in the default list): TP2 with vLLM's custom all-reduce off, so
+# every TP all-reduce, those inside the CUDA graphs included, goes through PyNCCL; tp2ring
+# with NCCL pinned to the Ring algorithm and the Simple protocol (docs/e2e.md, "Two GPUs":
+# what NCCL must do for full CUDA graphs across ranks).
+RING_SIMPLE = "NCCL_ALGO=Ring,NCCL_PROTO=Simple"
 TOPOLOGIES = {"tp2": dict(tp=2, pp=1), "pp2": dict(tp=1, pp=2),
               "tp2rs": dict(tp=2, pp=1, row_shard_min_rows=ROW_SHARD_MIN_ROWS),
-              "tp1": dict(tp=1, pp=1)}
+              "tp1": dict(tp=1, pp=1),
+              "tp2nccl": dict(tp=2, pp=1, custom_all_reduce=False),
+              "tp2ring": dict(tp=2, pp=1, custom_all_reduce=False, nccl_env=RING_SIMPLE)}
+DEFAULT_TOPOLOGIES = ("tp2", "pp2", "tp2rs", "tp1")
 # The topologies each one's outputs are compared with (same model, mode and form).
-AGAINST = {"tp2": ("tp1",), "pp2": ("tp1",), "tp2rs": ("tp1", "tp2"), "tp1": ()}
+AGAINST = {"tp2": ("tp1",), "pp2": ("tp1",), "tp2rs": ("tp1", "tp2"), "tp1": (),
+           "tp2nccl": ("tp1", "tp2"), "tp2ring": ("tp1", "tp2", "tp2nccl")}
 # vLLM's even PP2 split (get_pp_indices) of each V4.1 config cuts a KV-sharing group (v41-mini
 # and v41-dspark-mini 5,5; v41-tput 6,6); vllm.deepinfer.pp_split's nearest split that keeps
 # each group on one stage (tests/test_e2e_topology.py checks these against it). V4 shares no
@@ -120,6 +131,10 @@ def shape_of(topo: str, model: str) -> dict:
         out["pp_partition"] = PP2_PARTITION.get(model)
     if t.get("row_shard_min_rows"):
         out["row_shard_min_rows"] = t["row_shard_min_rows"]
+    if "custom_all_reduce" in t:
+        out["custom_all_reduce"] = t["custom_all_reduce"]
+    if t.get("nccl_env"):
+        out["nccl_env"] = t["nccl_env"]
     return out
 
 
@@ -130,6 +145,10 @@ def topo_args(topo: str, model: str, rank_audit: bool = False, runner: str = "ru
         cmd += ["--pp-partition", PP2_PARTITION[model]]
     if t.get("row_shard_min_rows"):
         cmd += ["--row-shard-min-rows", str(t["row_shard_min_rows"])]
+    if t.get("custom_all_reduce") is False:
+        cmd.append("--no-custom-all-reduce")
+    if t.get("nccl_env"):
+        cmd += ["--nccl-env", t["nccl_env"]]
     if rank_audit:
         cmd.append("--rank-audit")
     if runner != "run":
@@ -311,7 +330,15 @@ def _restrict(run: dict, lens) -> dict:
 def _rank_summary(r: dict) -> list:
     return [dict(rank=x.get("rank"), tp_rank=x.get("tp_rank"), pp_rank=x.get("pp_rank"),
                  layers=x.get("layers"), attention_classes=x.get("attention_classes"),
-                 device=x.get("device")) for x in (r.get("ranks") or []) if isinstance(x, dict)]
+                 device=x.get("device"), collectives=x.get("collectives"))
+            for x in (r.get("ranks") or []) if isinstance(x, dict)]
+
+
+def _collectives(r: dict) -> list:
+    """Per rank, the collectives' calls by group, implementation, method and whether inside
+    CUDA-graph capture (rank_audit.count_collectives)."""
+    return [{k: v for k, v in c.items() if k.startswith(("tp.", "pp."))}
+            for c in (r.get("rank_counters") or []) if isinstance(c, dict)]
 
 
 def rows_of(work: Path, engines: list[Engine], tol: dict) -> list[dict]:
@@ -377,7 +404,7 @@ def rows_of(work: Path, engines: list[Engine], tol: dict) -> list[dict]:
                                  tokens_per_s=t["tokens_per_s"], seconds=t.get("seconds"),
                                  timing=t.get("timing", "whole generate call"),
                                  error=t.get("error"), load_seconds=r.get("load_seconds"),
-                                 ranks=_rank_summary(r)))
+                                 ranks=_rank_summary(r), collectives=_collectives(r)))
     rows += spec_rows(engines, runs)
     return rows
 
@@ -388,9 +415,10 @@ def _agreement(variant: str, shape: dict, p: dict, tol: dict, counters=None) -> 
                top1_agree=p["top1_agree"], max_abs_dlogprob=p["max_abs_dlogprob"],
                mean_abs_dlogprob=p.get("mean_abs_dlogprob"), identical=compare.identical(p),
                within_tolerance=ok, tolerance=tol, detail=p)
-    if counters:   # the row shard's exchanges per rank (rank_audit.count_row_shard)
+    if counters:   # per rank (rank_audit): the row shard's exchanges, the collectives' calls
         row["row_shard_exchanges"] = [c.get("row_shard_exchanges", 0) if isinstance(c, dict)
                                       else None for c in counters]
+        row["collectives"] = _collectives(dict(rank_counters=counters))
     return row
 
 
@@ -442,7 +470,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/deepinfer-e2e-topology"))
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    ap.add_argument("--topologies", default=",".join(DEFAULT_TOPOLOGIES),
+                    help=f"of {', '.join(TOPOLOGIES)} (default: {', '.join(DEFAULT_TOPOLOGIES)})")
     ap.add_argument("--models", default=",".join(AGREE_MODELS))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--quick", action="store_true", help="shorter prompts and fewer shapes")
