@@ -463,3 +463,26 @@ def test_collectives_are_counted_by_implementation_and_capture(monkeypatch):
     assert len(calls) == 4   # the real methods ran
     st = ra.collectives_state()
     assert st["tp"]["custom_ar"] == {"disabled": False} and "symm_mem" not in st["tp"]
+
+
+def test_bundle_is_written_after_each_engine_and_resumed(tmp_path, monkeypatch):
+    import e2e
+    monkeypatch.setattr(e2e, "_DEADLINE", [float("inf")])
+    work, bundle = tmp_path / "w", tmp_path / "b.json"
+    seen = []
+
+    class Sh(_StandInSh):
+        def __call__(self, cmd, log, env=None, timeout=None):
+            if bundle.exists():
+                seen.append(sorted(json.loads(bundle.read_text())["engines"]))
+            return super().__call__(cmd, log, env, timeout)
+    sh = Sh(work, {})
+    args = ["--results", str(tmp_path / "r"), "--models", "v41-mini", "--parts", "agree",
+            "--topologies", "tp2", "--parallel", "1"]
+    topo.main(["--work", str(work), "--bundle", str(bundle), *args], sh=sh)
+    # before the second engine, the bundle held the first
+    assert seen[-1] == ["topo-tp2-v41-mini-a100-eager"]
+    # a new machine (empty work folder) resumes from the bundle and runs nothing
+    sh2 = _StandInSh(tmp_path / "w2", {})
+    topo.main(["--work", str(tmp_path / "w2"), "--resume", str(bundle), *args], sh=sh2)
+    assert sh2.ran == [] and not list((tmp_path / "w2").glob("*-mxfp8"))   # no checkpoint

@@ -50,6 +50,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -284,12 +285,15 @@ def _done(work: Path, e: Engine) -> bool:
     return True
 
 
-def run_plan(work: Path, engines: list[Engine], sh, left, parallel: int) -> list[str]:
+def run_plan(work: Path, engines: list[Engine], sh, left, parallel: int,
+             after=None) -> list[str]:
     """Engines in order: runs of engines that may share the machine (up to ``parallel`` at
     once), then each alone engine by itself. An engine starts only when its estimate fits in
-    ``left()``; it and every engine after it wait for the next invocation."""
+    ``left()``; it and every engine after it wait for the next invocation. ``after()`` runs
+    after each engine that ran (the bundle: a call cut short keeps what finished)."""
     missed: list[str] = []
     stop = [False]
+    lock = threading.Lock()
 
     def one(e: Engine) -> None:
         if _done(work, e):
@@ -305,6 +309,9 @@ def run_plan(work: Path, engines: list[Engine], sh, left, parallel: int) -> list
         rc = sh(e.cmd, work / f"{e.tag}.log", env=engine_env(work, e), timeout=e.timeout_s)
         if rc != 0 or not (work / f"{e.tag}.json").exists():
             missed.append(f"{e.tag} (rc {rc}; log {e.tag}.log)")
+        if after is not None:
+            with lock:
+                after()
     batch: list[Engine] = []
 
     def flush():
@@ -533,12 +540,13 @@ def main(argv=None, sh=None) -> int:
     not_done: list[str] = []
     if not args.no_run:
         work.mkdir(parents=True, exist_ok=True)
-        checkpoints(work, engines, sh, not args.sparse_routing)
+        checkpoints(work, [e for e in engines if not _done(work, e)], sh, not args.sparse_routing)
+        save = (lambda: ep.save_bundle(args.bundle, work, engines)) if args.bundle else None
         try:
-            not_done = run_plan(work, engines, sh, e2e._left, args.parallel)
+            not_done = run_plan(work, engines, sh, e2e._left, args.parallel, after=save)
         finally:
-            if args.bundle:
-                ep.save_bundle(args.bundle, work, engines)
+            if save is not None:
+                save()
     rows = rows_of(work, engines, e2e.TOL)
     outs = [ep.load(work, e) for e in engines]
     meta = dict(ep.meta_of(outs), date=datetime.date.today().isoformat(), failed_runs=not_done,
