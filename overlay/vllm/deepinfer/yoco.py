@@ -302,11 +302,12 @@ def batch_tag(swa_metadata: Any) -> tuple:
     ``prefill_seq_lens``, ``prefill_gather_lens``, the chunk plan) each builder computes from
     the batch's common metadata (one ``query_start_loc`` and ``seq_lens`` storage per step)
     and its spec (block size, window): the same bytes in every group. (A padded token's
-    slot is -1 in every group; vLLM 0.33.0 passes no ``replay_start`` to the builders, so each
-    uses zeros.) This tag names exactly those inputs, so layers of different groups share
-    what they would compute alike; the SWA window's own lists (``swa_ragged_key``) read the
-    group's block table and stay per object. An object without these fields is named by
-    its identity."""
+    slot is -1 in every group.) The replay starts vLLM's V4.1 model state hands the SWA
+    builders (``replay_start``) are not part of this tag: ``prefill_gather_lens`` and the SWA
+    windows depend on them, so ``combine_key`` names them apart. This tag names the other
+    inputs, so layers of different groups share what they would compute alike; the SWA
+    window's own lists (``swa_ragged_key``) read the group's block table and stay per
+    object. An object without these fields is named by its identity."""
     if not all(hasattr(swa_metadata, f) for f in _BATCH_SCALARS + _BATCH_TENSORS):
         return ("object", id(swa_metadata))
     return ((type(swa_metadata).__qualname__,)
@@ -336,11 +337,20 @@ def combine_key(index_source: Any, ratio: int, window: int, topk: int, swa_metad
                 chunk: tuple[int, int, int, int], extra: Hashable = None) -> tuple | None:
     """One prefill chunk's combined (top-k + SWA) lists. ``chunk`` = (first request, end
     request, N, M) of the layer's chunk plan; ``extra`` names anything else the lists read
-    (V4's image visibility: such calls are not shared, pass NO_REUSE)."""
+    (V4's image visibility: such calls are not shared, pass NO_REUSE).
+
+    The lists' SWA part follows the metadata's ``prefill_gather_lens``, which the replay
+    starts clamp: under vLLM 0.33.0's decoder SWA bounded replay (eager V4.1 prefill steps,
+    models/deepseek_v41/decoder_replay_layers.py) the first replay layer's metadata carries
+    the batch's replay starts and the later replay layers' each trimmed request's kept start,
+    over one kept batch (one ``batch_tag``). So the key names the replay starts' storage: the
+    groups of one forward get views of one buffer and still share; a builder given none uses
+    a zeros buffer of its own, and its lists are then shared within its cache group only."""
     if index_source is NO_REUSE or extra is NO_REUSE:
         return None
     return (COMBINE, _tag(index_source), int(ratio), int(window), int(topk),
-            batch_tag(swa_metadata), tuple(int(x) for x in chunk), extra)
+            batch_tag(swa_metadata), tuple(int(x) for x in chunk),
+            _span(getattr(swa_metadata, "replay_start", None)), extra)
 
 
 def gather_key(kv_source: Any, ratio: int, comp_metadata: Any, swa_metadata: Any,
