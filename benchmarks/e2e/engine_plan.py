@@ -273,3 +273,28 @@ def meta_of(outputs) -> dict:
 def results_name(meta: dict, kind: str) -> str:
     gpu = (meta.get("gpu") or "gpu").split()[-1].lower()
     return f"{gpu}-{meta['date']}-{kind}-{(meta.get('commit') or 'dev')[:7]}.json"
+
+
+def run_driver(args, plan, work: Path, sh, e2e, start_s=None, todo=None,
+               overlay_why: str = "") -> list[str]:
+    """What graph_modes.py and parity.py run after planning: the overlay check (unless
+    ``args.skip_overlay_check``), the checkpoint of ``args.model`` (through e2e.sh), then the
+    engines of ``todo`` (default ``plan``), saving ``args.bundle`` after each; the engines
+    that did not finish."""
+    if not args.skip_overlay_check:
+        from serve import overlay_status
+        ov = overlay_status(sys.executable)
+        if ov["rc"] != 0:
+            raise SystemExit("the overlay is not installed in this python's vLLM "
+                             f"(tools/install_overlay.py status: rc {ov['rc']}){overlay_why}"
+                             f"\n{ov['text']}")
+    from e2e_models import MODELS
+    _, fmt = MODELS[args.model]
+    work.mkdir(parents=True, exist_ok=True)
+    e2e.make_checkpoints(work, [args.model], dense=False)
+    bundle = (lambda _e: save_bundle(args.bundle, work, plan)) if args.bundle else None
+    not_done = run_plan(plan if todo is None else todo, work, work / f"{args.model}-{fmt}", sh,
+                        e2e._left, start_s, rerun=args.rerun, after=bundle)
+    if args.bundle:
+        save_bundle(args.bundle, work, plan)
+    return not_done

@@ -300,27 +300,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _run(args, plan, work: Path, sh, e2e, start_s=None) -> list[str]:
-    """The overlay check, the checkpoint (through e2e.sh) and the engines; what did not
-    finish."""
-    if not args.skip_overlay_check:
-        from serve import overlay_status
-        ov = overlay_status(sys.executable)
-        if ov["rc"] != 0:
-            raise SystemExit("the overlay is not installed in this python's vLLM "
-                             f"(tools/install_overlay.py status: rc {ov['rc']})\n{ov['text']}")
-    cfg, fmt = MODELS[args.model]
-    work.mkdir(parents=True, exist_ok=True)
-    e2e.make_checkpoints(work, [args.model], dense=False)
-    todo = [e for e in plan if not (args.no_eager and e.eager)]
-    bundle = (lambda _e: ep.save_bundle(args.bundle, work, plan)) if args.bundle else None
-    not_done = ep.run_plan(todo, work, work / f"{args.model}-{fmt}", sh, e2e._left,
-                           start_s, rerun=args.rerun, after=bundle)
-    if args.bundle:
-        ep.save_bundle(args.bundle, work, plan)
-    return not_done
-
-
 def main(argv=None, sh=None) -> int:
     args = parse_args(argv)
     if args.chart is not None:
@@ -347,7 +326,8 @@ def main(argv=None, sh=None) -> int:
         return 0
     not_done: list[str] = []
     if not args.no_run:
-        not_done = _run(args, plan, work, sh, e2e, start_s)
+        not_done = ep.run_driver(args, plan, work, sh, e2e, start_s,
+                                 todo=[e for e in plan if not (args.no_eager and e.eager)])
     rows, floor = rows_of(plan, work, args.model, e2e.TOL)
     outs = [ep.load(work, e) for e in plan]
     meta = dict(ep.meta_of(outs), date=datetime.date.today().isoformat(), failed_runs=not_done,

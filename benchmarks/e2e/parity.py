@@ -295,27 +295,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _run(args, plan, work: Path, sh, e2e, start_s=None) -> list[str]:
-    """The overlay check, the checkpoint (through e2e.sh) and the engines; what did not
-    finish."""
-    if not args.skip_overlay_check:
-        from serve import overlay_status
-        ov = overlay_status(sys.executable)
-        if ov["rc"] != 0:
-            raise SystemExit("the overlay is not installed in this python's vLLM "
-                             f"(tools/install_overlay.py status: rc {ov['rc']}): the default "
-                             f"mode would serve upstream\n{ov['text']}")
-    cfg, fmt = MODELS[args.model]
-    work.mkdir(parents=True, exist_ok=True)
-    e2e.make_checkpoints(work, [args.model], dense=False)   # through e2e.sh
-    bundle = (lambda _e: ep.save_bundle(args.bundle, work, plan)) if args.bundle else None
-    not_done = ep.run_plan(plan, work, work / f"{args.model}-{fmt}", sh, e2e._left,
-                           start_s, rerun=args.rerun, after=bundle)
-    if args.bundle:
-        ep.save_bundle(args.bundle, work, plan)
-    return not_done
-
-
 def main(argv=None, sh=None) -> int:
     args = parse_args(argv)
     if args.chart is not None:
@@ -341,7 +320,9 @@ def main(argv=None, sh=None) -> int:
               f"~{t['estimate_s']:4.0f} s", flush=True)
     if args.plan:
         return 0
-    not_done = [] if args.no_run else _run(args, plan, work, sh, e2e, start_s)
+    not_done = [] if args.no_run else ep.run_driver(
+        args, plan, work, sh, e2e, start_s,
+        overlay_why=": the default mode would serve upstream")
     rows = rows_of(plan, work, args.model)
     outs = [ep.load(work, e) for e in plan]
     meta = dict(ep.meta_of(outs), date=datetime.date.today().isoformat(), failed_runs=not_done,
