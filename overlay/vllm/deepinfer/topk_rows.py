@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from vllm.deepinfer import envs
+from vllm.deepinfer import routing
 
 FEATURE = "topk_rows"
 # Offsets of the kernel stay below 2^31 (int32- and uint32-safe).
@@ -55,7 +55,7 @@ def indexer_decode_topk(topk: Callable, logits: torch.Tensor, seq_lens: torch.Te
     entry (or a row of ``next_n``) per request."""
     rows = logits.shape[0]
     chunks = (row_chunks(rows, logits.stride(0), logits.shape[1], next_n)
-              if envs.enabled(FEATURE) else [])
+              if routing.use(FEATURE) else [])
     if len(chunks) <= 1:
         topk(logits, seq_lens, next_n, topk_indices, topk_tokens, max_seq_len)
         return
