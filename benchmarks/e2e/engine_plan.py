@@ -298,3 +298,20 @@ def run_driver(args, plan, work: Path, sh, e2e, start_s=None, todo=None,
     if args.bundle:
         save_bundle(args.bundle, work, plan)
     return not_done
+
+
+def prepare(args, plan, width: int = 48):
+    """The planning half of graph_modes.py / parity.py: the engines ``args.resume`` restores,
+    the start-up estimates of ``args.start_s`` (SystemExit on a bad one), and the plan table
+    printed; returns (resumed, start_s, table)."""
+    resumed = load_bundle(args.resume, args.work, plan) if args.resume else []
+    try:
+        start_s = parse_start_s(args.start_s)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    table = plan_table(plan, args.work, start_s)
+    for t in table:
+        print(f"  {t['tag']:{width}s} {'done' if t['done'] else t['start']:16s} "
+              f"~{t['estimate_s']:4.0f} s", flush=True)
+    return resumed, start_s, table
+

@@ -313,15 +313,7 @@ def main(argv=None, sh=None) -> int:
         e2e._DEADLINE[0] = time.time() + args.deadline
     plan = engines(args.model, args.mode, args.mode_list, args.capture_list)
     work = args.work
-    resumed = ep.load_bundle(args.resume, work, plan) if args.resume else []
-    try:
-        start_s = ep.parse_start_s(args.start_s)
-    except ValueError as e:
-        raise SystemExit(str(e))
-    table = ep.plan_table(plan, work, start_s)
-    for t in table:
-        print(f"  {t['tag']:55s} {'done' if t['done'] else t['start']:16s} "
-              f"~{t['estimate_s']:4.0f} s", flush=True)
+    resumed, start_s, table = ep.prepare(args, plan, width=55)
     if args.plan:
         return 0
     not_done: list[str] = []

@@ -309,15 +309,7 @@ def main(argv=None, sh=None) -> int:
     plan = engines(args.model, args.repeats, args.bisect_list, args.bisect_repeats,
                    args.bisect_own_cache)
     work = args.work
-    resumed = ep.load_bundle(args.resume, work, plan) if args.resume else []
-    try:
-        start_s = ep.parse_start_s(args.start_s)
-    except ValueError as e:
-        raise SystemExit(str(e))
-    table = ep.plan_table(plan, work, start_s)
-    for t in table:
-        print(f"  {t['tag']:48s} {'done' if t['done'] else t['start']:16s} "
-              f"~{t['estimate_s']:4.0f} s", flush=True)
+    resumed, start_s, table = ep.prepare(args, plan, width=48)
     if args.plan:
         return 0
     not_done = [] if args.no_run else ep.run_driver(
