@@ -98,6 +98,10 @@ VERIFY_KINDS = {"v41-mini": ("decode_indices", "swa_ragged", "combine", "gather"
 # --toggle-yoco): reuse on against off within one process, where the engine's own
 # run-to-run variation between processes does not enter.
 REPEAT_MODES = ("a100_det", "sm90_det")
+# --steps tput beyond MODES: the A100-faithful engine with the one-launch mHC decode kernel
+# forced off and on (run.py), whose decode rows make the served decode-step comparison of
+# that kernel (rows kernel="mhc_decode_served").
+TPUT_EXTRA_MODES = ("a100_mhcdec_off", "a100_mhcdec_on")
 REPEAT_MODE = REPEAT_MODES[0]
 YOCO_PAIRS = (("a100_det", "a100_det_noyoco"), ("sm90_det", "sm90_det_noyoco"),
               ("a100_det", "a100_det_rerun"),
@@ -284,7 +288,14 @@ def main() -> int:
                     "YOCO_MODES; REPEAT_MODES among them also rerun and toggle reuse in "
                     "process)")
     ap.add_argument("--tput-modes", default=",".join(MODES),
-                    help="the tput step's modes, comma-separated (default: all of MODES)")
+                    help="the tput step's modes, comma-separated (default: all of MODES; "
+                    f"also {', '.join(TPUT_EXTRA_MODES)})")
+    ap.add_argument("--tput-batches", default=None,
+                    help="the tput step's decode batch sizes, comma-separated (default: "
+                    "run.py's; --quick: 1,8,32)")
+    ap.add_argument("--tput-prefill-lens", default=None,
+                    help="the tput step's prefill lengths, comma-separated ('' for none; "
+                    "default: run.py's; --quick: 1024,8192)")
     ap.add_argument("--sparse-routing", action="store_true",
                     help="agreement checkpoints keep the configs' expert top-k (see dense_routing)")
     ap.add_argument("--results", default=str(REPO / "benchmarks" / "results"))
@@ -348,9 +359,10 @@ def main() -> int:
         agree_extra += ["--lens", *map(str, QUICK_LENS), "--gen", "16"]
 
     tput_modes = [m for m in args.tput_modes.split(",") if m]
-    if sorted(set(tput_modes) - set(MODES)):
-        ap.error(f"--tput-modes: unknown {', '.join(sorted(set(tput_modes) - set(MODES)))}; "
-                 f"known: {', '.join(MODES)}")
+    tput_known = (*MODES, *TPUT_EXTRA_MODES)
+    if sorted(set(tput_modes) - set(tput_known)):
+        ap.error(f"--tput-modes: unknown {', '.join(sorted(set(tput_modes) - set(tput_known)))}; "
+                 f"known: {', '.join(tput_known)}")
     if "ckpt" in steps:
         # The agreement models serve every step but tput.
         agree_needed = bool(steps & {"agree", "reference", "graphs", "yoco", "nocompile"})
@@ -398,8 +410,15 @@ def main() -> int:
     tput_outs = []
     if "tput" in steps:
         extra = ["--max-model-len", str(32768 + 512), "--gpu-mem", "0.85"]
-        if args.quick:
-            extra += ["--batches", "1", "8", "32", "--prefill-lens", "1024", "8192"]
+        # Given sizes win over --quick's; neither given: run.py's defaults.
+        batches = args.tput_batches if args.tput_batches is not None \
+            else ("1,8,32" if args.quick else None)
+        lens_ = args.tput_prefill_lens if args.tput_prefill_lens is not None \
+            else ("1024,8192" if args.quick else None)
+        if batches is not None:
+            extra += ["--batches", *[b for b in batches.split(",") if b]]
+        if lens_ is not None:
+            extra += ["--prefill-lens", *[n for n in lens_.split(",") if n]]
         for m in tput_modes:
             if (work / f"{TPUT_MODEL}-{m}-tput-graphs.json").exists():
                 continue
@@ -424,12 +443,36 @@ def main() -> int:
         name, rest = _split_tag(f.stem)
         mode, _, form = rest
         outs.append(((name, mode, form == "eager"), f))
-    for m in MODES:
+    for m in (*MODES, *TPUT_EXTRA_MODES):
         f = work / f"{TPUT_MODEL}-{m}-tput-graphs.json"
         if f.exists():
             tput_outs.append((m, f))
     write_results(args, work, outs, tput_outs, not_done)
     return 0
+
+
+def mhc_decode_served_rows(rows: list[dict]) -> list[dict]:
+    """The served decode-step comparison of the one-launch mHC decode kernel: per decode
+    batch that both tput modes of TPUT_EXTRA_MODES measured, the engine step time with the
+    kernel off and on (a decode step of batch b makes b tokens: step_us = b / tokens_per_s)
+    and their ratio (``speedup`` > 1: the kernel on is faster)."""
+    off_m, on_m = TPUT_EXTRA_MODES
+    by = {(r["variant"], r["shape"]["batch"]): r for r in rows
+          if r.get("kernel") == "e2e" and r["shape"].get("phase") == "decode"
+          and r["variant"] in TPUT_EXTRA_MODES and r.get("tokens_per_s")}
+    out = []
+    for (mode, b), off in sorted(by.items(), key=lambda kv: kv[0][1]):
+        on = by.get((on_m, b))
+        if mode != off_m or on is None:
+            continue
+        off_us, on_us = b / off["tokens_per_s"] * 1e6, b / on["tokens_per_s"] * 1e6
+        out.append(dict(kernel="mhc_decode_served", variant="a100",
+                        shape=dict(model=off["shape"]["model"], batch=b,
+                                   prompt_len=off["shape"]["prompt_len"]),
+                        off_step_us=round(off_us, 1), on_step_us=round(on_us, 1),
+                        off_tokens_per_s=off["tokens_per_s"], on_tokens_per_s=on["tokens_per_s"],
+                        speedup=round(off_us / on_us, 4), timing=off.get("timing")))
+    return out
 
 
 def _split_tag(stem: str):
@@ -535,6 +578,7 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                              tokens_per_s=t["tokens_per_s"], seconds=t.get("seconds"),
                              timing=t.get("timing", "whole generate call"),
                              error=t.get("error"), load_seconds=r["load_seconds"]))
+    rows += mhc_decode_served_rows(rows)
     # The machine and versions: from an agreement run, else from a tput or nocompile run (each
     # run.py result records them).
     sample = next(iter(runs.values()), None) or {}

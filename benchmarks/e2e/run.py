@@ -21,6 +21,9 @@ Modes (the overlay must be installed into the vLLM this python imports):
                              the same with the indexer's top-k rows sorted
                              (DEEPINFER_SORTED_TOPK=1: a run-to-run identical key order)
                              and cuBLAS's workspace pinned (CUBLAS_WORKSPACE_CONFIG)
+  a100_mhcdec_on, a100_mhcdec_off
+                             a100 with the one-launch mHC decode kernel forced on / off
+                             (DEEPINFER_MHC_DECODE=1 / 0)
 Tasks:
   agree     greedy generation with top-K logprobs of prompt and generated tokens
   tput      decode tokens/s at several batch sizes and prefill tokens/s at several lengths
@@ -61,6 +64,11 @@ MODES = {
                     "DEEPINFER_YOCO_REUSE": "0"},
     "a100_rerun": {"DEEPINFER_EMULATE_CAPABILITY": "8.0"},
 }
+# The one-launch mHC decode kernel (docs/mhc.md section 6) explicitly on and off in the
+# A100-faithful engine, whatever the feature's default: the tput step's served decode-step
+# comparison (e2e.py --tput-modes a100_mhcdec_off,a100_mhcdec_on).
+MODES["a100_mhcdec_on"] = dict(MODES["a100"], DEEPINFER_MHC_DECODE="1")
+MODES["a100_mhcdec_off"] = dict(MODES["a100"], DEEPINFER_MHC_DECODE="0")
 # Cross-layer reuse with every reused product built again and compared bit for bit inside
 # the forward (DEEPINFER_YOCO_VERIFY=1, eager): the check that holds reuse to identity in
 # a served engine, where two generations of one engine already differ (docs/e2e.md).
