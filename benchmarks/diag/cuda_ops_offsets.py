@@ -197,7 +197,8 @@ def main(argv=None) -> int:
               flush=True)
 
     meta = {"gpu": torch.cuda.get_device_name(0), "shared_memory_per_block_optin": optin,
-            "torch": torch.__version__, "vllm": getattr(vllm, "__version__", None),
+            "torch": torch.__version__, "triton": _version("triton"), "commit": _commit(),
+            "vllm": getattr(vllm, "__version__", None),
             "python": platform.python_version(),
             "date": datetime.date.today().isoformat(),
             "note": "value checks of upstream CUDA C++ ops (docs/long-context.md, CUDA C++ ops)"}
@@ -205,6 +206,25 @@ def main(argv=None) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
     return 1 if failed else 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _commit() -> str:
+    """DEEPINFER_COMMIT (a copy of the tree without git), else the checkout's HEAD."""
+    import os
+    import subprocess
+    if os.environ.get("DEEPINFER_COMMIT"):
+        return os.environ["DEEPINFER_COMMIT"]
+    out = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse",
+                          "HEAD"], capture_output=True, text=True, check=False)
+    return out.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

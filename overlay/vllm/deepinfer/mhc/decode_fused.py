@@ -96,6 +96,25 @@ MAX_HIDDEN = 8192
 # 64 (half the slices, 185-194 registers, and an 8-byte stack frame in V4's sm_86 build) is
 # a variant for the benchmark's comparison only (``ch=64``), not gated, not dispatched.
 SLICE_COLUMNS = (32, 64)
+# Phase stamps (diagnostic only: benchmarks/diag/mhc_decode_phases.py sets TRACE_PHASES): with
+# the TRACE constexpr on, every CTA writes TRACE_COLS int64 values after the records in the
+# workspace: its ticket, then %globaltimer at entry, after its ticket, after its wait (waiters)
+# or its release (slices), after the records' sum and after the Sinkhorn loop (coefficient
+# CTAs), and at its end. Off (the default, and every dispatched build), no code is emitted.
+TRACE_PHASES = False
+TRACE_COLS = tl.constexpr(8)
+TRACE_ROWS = 512          # >= the largest grid: 256 slices + 3 CTAs x 32 tokens
+
+
+@triton.jit
+def _stamp(ws, row, col: tl.constexpr, dep, TRACE: tl.constexpr):
+    """Phase stamp ``col`` of CTA ``row`` (TRACE only): %globaltimer, read once ``dep`` (an
+    int32 scalar) is computed, stored after the workspace's records."""
+    if TRACE:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+        base = ws.to(tl.pointer_type(tl.int64)) + _TRACE_BASE
+        tl.store(base + row * TRACE_COLS + col, t)
 
 
 @triton.jit
@@ -272,12 +291,11 @@ def _softmax4(a, b, c, d, eps):
 
 
 @triton.jit
-def _norm_group_role(t, g, ws, norm_w, layer_input, ctr, waiters, norm_eps, H: tl.constexpr,
+def _norm_group_role(t, g, ws, norm_w, layer_input, norm_eps, H: tl.constexpr,
                      CH: tl.constexpr, S_PAD: tl.constexpr, NB: tl.constexpr):
     """V4.1: columns [g * NB, (g + 1) * NB) of token t's layer input, RMSNorm'd in place (the
     slices stored the bf16 collapse; its squared sum is in record column 25)."""
     S: tl.constexpr = H // CH
-    _wait_and_check_in(ctr, S, waiters)
     s = tl.arange(0, S_PAD)
     cols = g * NB + tl.arange(0, NB)
     cm = cols < H
@@ -291,14 +309,13 @@ def _norm_group_role(t, g, ws, norm_w, layer_input, ctr, waiters, norm_eps, H: t
 
 
 @triton.jit
-def _norm_row_role(t, ws, hc_scale, hc_base, residual_out, norm_w, layer_input, ctr, waiters,
+def _norm_row_role(t, ws, hc_scale, hc_base, residual_out, norm_w, layer_input,
                    rms_eps, hc_pre_eps, norm_eps, H: tl.constexpr, CH: tl.constexpr,
                    S_PAD: tl.constexpr, CB: tl.constexpr):
     """V4: token t's pre-mix from the projection, the collapse of the stored streams with it,
     and its RMSNorm (two passes over the row, each loading a block ahead)."""
     S: tl.constexpr = H // CH
     NC: tl.constexpr = (H + CB - 1) // CB
-    _wait_and_check_in(ctr, S, waiters)
     mix, k = _records(ws, t, S, S_PAD)
     rms = tl.math.rsqrt(_pick(mix, k, 24) / (4 * H) + rms_eps)
     s0 = tl.load(hc_scale)
@@ -352,14 +369,14 @@ def _norm_row_role(t, ws, hc_scale, hc_base, residual_out, norm_w, layer_input, 
 
 
 @triton.jit
-def _coef_role(t, ws, hc_scale, hc_base, post_out, comb_out, pre_out, ctr, waiters,
-               rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult, H: tl.constexpr,
-               CH: tl.constexpr, S_PAD: tl.constexpr, SINKHORN: tl.constexpr,
-               DELAYED: tl.constexpr):
+def _coef_role(t, ws, hc_scale, hc_base, post_out, comb_out, pre_out, rms_eps, hc_pre_eps,
+               hc_sinkhorn_eps, hc_post_mult, H: tl.constexpr, CH: tl.constexpr,
+               S_PAD: tl.constexpr, SINKHORN: tl.constexpr, DELAYED: tl.constexpr,
+               row, TRACE: tl.constexpr):
     S: tl.constexpr = H // CH
-    _wait_and_check_in(ctr, S, waiters)
     mix, k = _records(ws, t, S, S_PAD)
     rms = tl.math.rsqrt(_pick(mix, k, 24) / (4 * H) + rms_eps)
+    _stamp(ws, row, 4, rms.to(tl.int32, bitcast=True), TRACE)
     s0 = tl.load(hc_scale)
     s1 = tl.load(hc_scale + 1)
     s2 = tl.load(hc_scale + 2)
@@ -402,6 +419,7 @@ def _coef_role(t, ws, hc_scale, hc_base, post_out, comb_out, pre_out, ctr, waite
             m01, m11, m21, m31 = _norm4(m01, m11, m21, m31, e)
             m02, m12, m22, m32 = _norm4(m02, m12, m22, m32, e)
             m03, m13, m23, m33 = _norm4(m03, m13, m23, m33, e)
+    _stamp(ws, row, 5, m33.to(tl.int32, bitcast=True), TRACE)
     o = comb_out + t * 16
     tl.store(o + 0, m00)
     tl.store(o + 1, m01)
@@ -428,29 +446,42 @@ def _mhc_decode_kernel(x, residual, post_in, comb_in, fn, hc_scale, hc_base, pre
                        norm_eps, H: tl.constexpr, CH: tl.constexpr, S_PAD: tl.constexpr,
                        BT: tl.constexpr, NB: tl.constexpr, CB: tl.constexpr,
                        SINKHORN: tl.constexpr, DELAYED: tl.constexpr,
-                       USE_PRE_IN: tl.constexpr, WRITE_AUX: tl.constexpr, PIN: tl.constexpr):
+                       USE_PRE_IN: tl.constexpr, WRITE_AUX: tl.constexpr, PIN: tl.constexpr,
+                       TRACE: tl.constexpr):
     S: tl.constexpr = H // CH
     # norm CTAs per token: V4.1 one per NB columns (the slices left only a scale to apply);
     # V4 one for the whole row (it collapses with a pre-mix it derives itself)
     NG: tl.constexpr = (H + NB - 1) // NB if DELAYED else 1
     waiters = num_tokens * (NG + 1)
+    row = tl.program_id(0)
+    _stamp(ws, row, 1, row, TRACE)
     ticket = tl.atomic_add(ctr, 1, sem="relaxed")   # the role, in the order CTAs start
+    _stamp(ws, row, 2, ticket, TRACE)
+    if TRACE:
+        tl.store(ws.to(tl.pointer_type(tl.int64)) + _TRACE_BASE + row * TRACE_COLS,
+                 ticket.to(tl.int64))
     if ticket < S:
         _slice_role(ticket, x, residual, post_in, comb_in, fn, pre_in, residual_out,
                     layer_input, aux_out, ws, ctr, num_tokens, H, CH, BT, DELAYED,
                     USE_PRE_IN, WRITE_AUX, PIN)
-    elif ticket < S + NG * num_tokens:
-        i = ticket - S
-        if DELAYED:
-            _norm_group_role(i // NG, i % NG, ws, norm_w, layer_input, ctr, waiters, norm_eps,
-                             H, CH, S_PAD, NB)
-        else:
-            _norm_row_role(i, ws, hc_scale, hc_base, residual_out, norm_w, layer_input, ctr,
-                           waiters, rms_eps, hc_pre_eps, norm_eps, H, CH, S_PAD, CB)
+        _stamp(ws, row, 3, ticket, TRACE)
     else:
-        _coef_role(ticket - S - NG * num_tokens, ws, hc_scale, hc_base, post_out, comb_out,
-                   pre_out, ctr, waiters, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult,
-                   H, CH, S_PAD, SINKHORN, DELAYED)
+        # every other role waits (acquire) for the S slice CTAs first
+        _wait_and_check_in(ctr, S, waiters)
+        _stamp(ws, row, 3, ticket, TRACE)
+        if ticket < S + NG * num_tokens:
+            i = ticket - S
+            if DELAYED:
+                _norm_group_role(i // NG, i % NG, ws, norm_w, layer_input, norm_eps, H, CH,
+                                 S_PAD, NB)
+            else:
+                _norm_row_role(i, ws, hc_scale, hc_base, residual_out, norm_w, layer_input,
+                               rms_eps, hc_pre_eps, norm_eps, H, CH, S_PAD, CB)
+        else:
+            _coef_role(ticket - S - NG * num_tokens, ws, hc_scale, hc_base, post_out,
+                       comb_out, pre_out, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult,
+                       H, CH, S_PAD, SINKHORN, DELAYED, row, TRACE)
+        _stamp(ws, row, 6, ticket, TRACE)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -482,7 +513,7 @@ class DecodeKey:
                     BT=self.block_t, NB=min(NORM_BLOCK, triton.next_power_of_2(self.hidden)),
                     CB=min(COL_BLOCK, triton.next_power_of_2(self.hidden)),
                     SINKHORN=self.sinkhorn, DELAYED=self.delayed, USE_PRE_IN=self.use_pre_in,
-                    WRITE_AUX=self.write_aux, PIN=True)
+                    WRITE_AUX=self.write_aux, PIN=True, TRACE=False)
 
     @property
     def name(self) -> str:
@@ -522,6 +553,10 @@ def enabled() -> bool:
 
 
 _WORKSPACES: dict = {}
+# The workspace: the records (32 floats per token and slice, up to MAX_TOKENS tokens and the
+# slices of MAX_HIDDEN), then the phase stamps (int64, TRACE only) at int64 index _TRACE_BASE.
+_RECORD_FLOATS = MAX_TOKENS * triton.next_power_of_2(MAX_HIDDEN // SLICE_COLUMNS[0]) * REC.value
+_TRACE_BASE = tl.constexpr(_RECORD_FLOATS // 2)
 
 
 def _workspace(device):
@@ -532,9 +567,9 @@ def _workspace(device):
     key = (str(device), stream)
     got = _WORKSPACES.get(key)
     if got is None:
-        records = MAX_TOKENS * triton.next_power_of_2(MAX_HIDDEN // SLICE_COLUMNS[0])
         got = _WORKSPACES[key] = (
-            torch.empty(records * REC.value, dtype=torch.float32, device=device),
+            torch.empty(_RECORD_FLOATS + 2 * TRACE_ROWS * TRACE_COLS.value, dtype=torch.float32,
+                        device=device),
             torch.zeros(4, dtype=torch.int32, device=device))
     return got
 
@@ -605,7 +640,8 @@ def _launch(key: DecodeKey, tokens: int, x, residual, post_layer_mix, comb_res_m
         pre_mix if pre_mix is not None else post_layer_mix, norm_weight, residual_out, post,
         comb, layer_input, next_pre, aux if capture_aux else layer_input, ws, ctr, tokens,
         float(rms_eps), float(hc_pre_eps), float(hc_sinkhorn_eps), float(hc_post_mult_value),
-        float(norm_eps), **dict(key.constexprs(), PIN=not arch.interpreting()),
+        float(norm_eps), **dict(key.constexprs(), PIN=not arch.interpreting(),
+                                TRACE=TRACE_PHASES),
         num_warps=NUM_WARPS)
     return residual_out, post, comb, layer_input, next_pre, aux
 
@@ -682,7 +718,7 @@ SIGNATURE = {
     "norm_eps": "fp32", "H": "constexpr", "CH": "constexpr", "S_PAD": "constexpr",
     "BT": "constexpr", "NB": "constexpr", "CB": "constexpr", "SINKHORN": "constexpr",
     "DELAYED": "constexpr", "USE_PRE_IN": "constexpr", "WRITE_AUX": "constexpr",
-    "PIN": "constexpr",
+    "PIN": "constexpr", "TRACE": "constexpr",
 }
 
 
