@@ -90,10 +90,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("mhc_tuned", _AMPERE, "mHC tensor-core projection above 32 tokens, Ampere configs"),
     # 1-32 tokens: mHC post, projection, Sinkhorn and pre-mix of V4.1's shifted and V4's
     # fused boundary in one Triton launch (vllm.deepinfer.mhc.decode_fused, patch 0030)
-    # instead of upstream's two TileLang launches. Off on the GPU variants until a GPU has run
-    # it: it has run only in the Triton interpreter and as sm_80/sm_86 builds, and its CTAs
-    # wait on each other (docs/mhc.md section 6); DEEPINFER_MHC_DECODE=1 turns it on (needs
-    # mhc on too). On for "cpu", where the interpreter tests it.
+    # instead of upstream's two TileLang launches. Off on the GPU variants. On the H200
+    # (benchmarks/results/h200-2026-12-02-mhc_decode-5f3a658.json) it ran 0.82-1.14x
+    # upstream, and its residual streams were not bit-identical to upstream's in 42 of 54
+    # GPU test cases (docs/mhc.md section 6). DEEPINFER_MHC_DECODE=1 turns it on (needs mhc on
+    # too). On for "cpu", where the interpreter tests it.
     Feature("mhc_decode", frozenset({"cpu"}),
             "mHC post + pre of 1-32 tokens in one launch (V4.1, V4)"),
     # Metadata identical across a KV-sharing group is built once per forward

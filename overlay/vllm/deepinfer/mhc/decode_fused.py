@@ -54,7 +54,7 @@ input differs from upstream's by the order of its RMSNorm sum (a bf16 ulp, rarel
 
 Routing: patch 0030 asks ``delayed`` / ``fused`` first in upstream's
 ``mhc_fused_post_pre_delayed_tilelang`` / ``mhc_fused_post_pre_tilelang``; None keeps
-upstream's path. On with the ``mhc`` and ``mhc_decode`` features (default on sm80/sm86), for
+upstream's path. On with the ``mhc`` and ``mhc_decode`` features (default off on GPUs: docs/mhc.md), for
 1-32 tokens, hc_mult 4, a hidden size that is a multiple of 256 up to 8192, a bf16 norm
 weight, 16-byte-aligned contiguous inputs on a CUDA device (or CPU tensors under the Triton
 interpreter). ``DEEPINFER_MHC_DECODE=0`` restores upstream's kernels.
