@@ -20,10 +20,10 @@ SMs there are (the argument CUB's single-pass scan makes for its dynamically num
 
 * tickets ``[0, S)``, slice CTAs, never wait. For its columns and all T tokens (in groups
   of 16, the MMA height), against the slice's ``fn`` columns loaded once: the post mapping
-  ``new[j] = post[j] * x + sum_k comb[k, j] * residual[k]`` in upstream's operation order
-  (one FMUL, then one FFMA per input stream k = 0..3, as TileLang generates for
-  ``mhc_post_tilelang`` and ``mhc_fused_tilelang``: the bf16 residual streams are
-  bit-identical to upstream's), stored bf16; the projection of those bf16 streams on
+  ``new[j] = post[j] * x + sum_k comb[k, j] * residual[k]`` in upstream's compiled operation
+  order (FMUL comb[0, j] * residual[0], FFMA post[j] * x, then one FFMA per stream k = 1..3:
+  the SASS nvcc makes of ``mhc_post_tilelang`` and ``mhc_fused_tilelang`` on sm_80 and
+  sm_90), stored bf16; the projection of those bf16 streams on
   tensor cores, each fp32 weight split exactly into three bf16 terms (its significand in
   8-bit pieces), so three bf16 MMAs with fp32 accumulation form every product exactly -- an
   fp32-class projection, not a tf32 one; the squared sum; and, in V4.1's form, the collapse
@@ -119,9 +119,11 @@ def _stamp(ws, row, col: tl.constexpr, dep, TRACE: tl.constexpr):
 
 @triton.jit
 def _post_stream(xv, r0, r1, r2, r3, p, c0, c1, c2, c3):
-    # upstream's order (TileLang mhc_post / mhc_fused): FMUL post * x, then FFMA per stream k
-    v = p * xv
-    v = tl.fma(c0, r0, v)
+    # upstream's order as nvcc compiles TileLang's mhc_post / mhc_fused (their SASS, sm_80 and
+    # sm_90 alike): FMUL comb[0] * residual[0], FFMA post * x into it, then FFMA per stream
+    # k = 1..3. The source reads post * x first; nvcc fuses that multiply, not the other.
+    v = c0 * r0
+    v = tl.fma(p, xv, v)
     v = tl.fma(c1, r1, v)
     v = tl.fma(c2, r2, v)
     return tl.fma(c3, r3, v)
