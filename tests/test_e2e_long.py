@@ -149,6 +149,36 @@ def test_flag_sets_select_engines_and_requests(fakes, tmp_path):
         assert a.max_model_len == 1048320   # 1,048,000 + 64 decode + 2, up to 256
 
 
+def test_profile_batch_reaches_run_py_and_profiles_the_batch_of_four(fakes, tmp_path):
+    """--long-profile-batch 4: run.py gets --profile-batch 4 and profiles the batch of four at
+    --long-profile-len (its stage rows name batch 4); the default stays batch 1; a length
+    not served as a batch of four is refused."""
+    started: list = []
+    out, _ = _main(fakes, tmp_path, ["--steps", "long", "--long-models", "v41-long",
+                                     "--long-modes", "a100", "--long-lens", "4096,16384",
+                                     "--long-b4-lens", "16384", "--long-agree-len", "0",
+                                     "--long-profile-len", "16384", "--long-profile-batch", "4"],
+                   _fake_sh(started))
+    ((_, a),) = _long(started)
+    assert a.profile_batch == 4 and a.profile_len == 16384
+    stage_batches = {r["shape"]["batch"] for r in out["rows"]
+                     if r["kernel"] == "long_context_stage"}
+    assert stage_batches == {4}
+    profiled = {(r["shape"]["prompt_len"], r["shape"]["batch"]) for r in out["rows"]
+                if r["kernel"] == "long_context" and r.get("profiled")}
+    assert profiled == {(16384, 4)}
+    started.clear()
+    _main(fakes, tmp_path, ["--steps", "long", "--long-models", "v41-long", "--long-modes",
+                            "a100", "--long-lens", "4096", "--long-agree-len", "0"],
+          _fake_sh(started, serve=False), work="w2")
+    assert _long(started)[0][1].profile_batch == 1
+    with pytest.raises(SystemExit):
+        _main(fakes, tmp_path, ["--steps", "long", "--long-lens", "4096,16384",
+                                "--long-b4-lens", "4096", "--long-profile-len", "16384",
+                                "--long-profile-batch", "4"], _fake_sh([], serve=False),
+              work="w3")
+
+
 @pytest.mark.parametrize("argv", [["--long-modes", "a10"], ["--long-models", "v5-long"],
                                   ["--long-forms", "cudagraphs"], ["--long-b4-lens", "4096"],
                                   ["--long-profile-len", "4096"], ["--long-lens", ""]])

@@ -323,6 +323,9 @@ def main() -> int:
                    help="agreement prompt length (last 2,048 positions; 0: none)")
     g.add_argument("--long-profile-len", type=int, default=None,
                    help="the batch-1 prefill split by stage (default: the longest; 0: none)")
+    g.add_argument("--long-profile-batch", type=int, default=1, choices=(1, 4),
+                   help="the batch of --long-profile-len that is profiled (4: needs the "
+                   "length in --long-b4-lens)")
     g.add_argument("--long-request-timeout", type=float, default=None,
                    help="seconds per request (default: run.py's length-scaled limit)")
     g.add_argument("--long-rerun", action="store_true",

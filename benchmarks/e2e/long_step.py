@@ -66,11 +66,15 @@ def long_options(args, ap) -> dict:
     profile = max(lens) if args.long_profile_len is None else args.long_profile_len
     if profile and profile not in lens:
         ap.error(f"--long-profile-len {profile} is not one of --long-lens")
+    pbatch = getattr(args, "long_profile_batch", 1)
+    if profile and pbatch == 4 and profile not in b4:
+        ap.error(f"--long-profile-batch 4: --long-profile-len {profile} is not one of "
+                 "--long-b4-lens")
     return dict(models=_csv(args.long_models, LONG_MODELS, "long-models", ap),
                 modes=_csv(args.long_modes, MODES, "long-modes", ap),
                 forms=_csv(args.long_forms, LONG_FORMS, "long-forms", ap),
                 lens=lens, b4_lens=sorted(b4), agree_len=args.long_agree_len,
-                profile_len=profile,
+                profile_len=profile, profile_batch=pbatch,
                 decode_tokens=LONG_QUICK_DECODE if args.quick else LONG_DECODE,
                 request_timeout=args.long_request_timeout)
 
@@ -100,6 +104,7 @@ def long_command(work: Path, name: str, mode: str, form: str, opts: dict) -> lis
            "--mode", mode, "--task", "long", "--out", str(_long_out(work, name, mode, form)),
            "--long-lens", *map(str, opts["lens"]), "--b4-lens", *map(str, opts["b4_lens"]),
            "--agree-len", str(opts["agree_len"]), "--profile-len", str(opts["profile_len"]),
+           "--profile-batch", str(opts.get("profile_batch", 1)),
            "--decode-tokens", str(opts["decode_tokens"]), "--gpu-mem", str(LONG_GPU_MEM)]
     if opts["request_timeout"]:
         cmd += ["--request-timeout", str(opts["request_timeout"])]

@@ -288,6 +288,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-len", type=int, default=1048000,
                     help="long: the batch-1 prefill of this length is split by stage "
                     "(torch.profiler; 0: none)")
+    ap.add_argument("--profile-batch", type=int, default=1, choices=(1, 4),
+                    help="long: the batch of --profile-len that is profiled (4: the batch of "
+                    "four, whose steps mix decode tokens and prefill chunks)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help=f"default: max(64, --batches) (agree, tput); long: {LONG_MAX_SEQS}")
     ap.add_argument("--request-timeout", type=float, default=None,

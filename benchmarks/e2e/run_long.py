@@ -503,7 +503,8 @@ def long_task(llm, vocab: int, args, result: dict, flush, profiler=None) -> None
             print(f"agree {n}: {result.get('agree_error') or 'done'}", flush=True)
             flush()
             continue
-        profiled = prof is not None and b == 1 and n == args.profile_len
+        profiled = (prof is not None and b == getattr(args, "profile_batch", 1)
+                    and n == args.profile_len)
         ps = prompts([n] * b, vocab, LONG_SEEDS[b])
         trace = memory_trace_mib() if not traced else None
         traced = True
