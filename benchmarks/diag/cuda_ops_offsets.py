@@ -43,6 +43,8 @@ import sys
 import time
 import traceback
 
+import diag_meta
+
 TOPK = 512
 WIDTH = 1 << 20            # max_model_len // ratio of a V4.1 ratio-1 index layer at 1M
 ROWS = 4100                # decode rows: past the first wrapped row (4,096 at this width)
@@ -197,7 +199,8 @@ def main(argv=None) -> int:
               flush=True)
 
     meta = {"gpu": torch.cuda.get_device_name(0), "shared_memory_per_block_optin": optin,
-            "torch": torch.__version__, "triton": _version("triton"), "commit": _commit(),
+            "torch": torch.__version__, "triton": diag_meta.version("triton"),
+            "commit": diag_meta.commit(),
             "vllm": getattr(vllm, "__version__", None),
             "python": platform.python_version(),
             "date": datetime.date.today().isoformat(),
@@ -206,25 +209,6 @@ def main(argv=None) -> int:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
     return 1 if failed else 0
-
-
-def _version(dist: str) -> str | None:
-    from importlib import metadata
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _commit() -> str:
-    """DEEPINFER_COMMIT (a copy of the tree without git), else the checkout's HEAD."""
-    import os
-    import subprocess
-    if os.environ.get("DEEPINFER_COMMIT"):
-        return os.environ["DEEPINFER_COMMIT"]
-    out = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse",
-                          "HEAD"], capture_output=True, text=True, check=False)
-    return out.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import diag_meta  # noqa: E402 (this folder: the script's own)
+
+REPO = diag_meta.REPO
 sys.path.insert(0, str(REPO / "overlay"))
 
 FORMS = ("v41", "v4")
@@ -134,14 +135,6 @@ def _phases(df, d, form, key, tokens):
     return {k: _median(v) for k, v in per.items()}
 
 
-def _commit() -> str:
-    if os.environ.get("DEEPINFER_COMMIT"):
-        return os.environ["DEEPINFER_COMMIT"]
-    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                         text=True, check=False)
-    return out.stdout.strip() or "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="results JSON")
@@ -157,7 +150,8 @@ def main(argv=None) -> int:
     from vllm.deepinfer.mhc import decode_fused as df
     rows = []
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__,
-                triton=triton.__version__, commit=_commit(), python=platform.python_version(),
+                triton=triton.__version__, commit=diag_meta.commit(),
+                python=platform.python_version(),
                 date=datetime.date.today().isoformat(),
                 deepinfer_arch=os.environ.get("DEEPINFER_ARCH"),
                 note="phase stamps of the mHC decode kernel's TRACE build (%globaltimer); "
