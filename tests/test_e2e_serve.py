@@ -143,8 +143,12 @@ def test_servers_get_their_modes_switches(happy):
         argv = r["server_argv"]
         assert argv[:4] == ["-m", "vllm.entrypoints.cli.main", "serve", argv[3]]
         for flag in ("--language-model-only", "--no-enable-prefix-caching",
-                     "--enable-chunked-prefill", "--enforce-eager"):
+                     "--enable-chunked-prefill", "--compilation-config"):
             assert flag in argv
+        # eager without --enforce-eager, which would also turn vLLM's JIT warmup off
+        assert "--enforce-eager" not in argv
+        assert json.loads(argv[argv.index("--compilation-config") + 1]) == \
+            {"mode": 0, "cudagraph_mode": "NONE"}
         assert argv[argv.index("--max-num-batched-tokens") + 1] == str(CHUNK)
 
 
@@ -432,7 +436,9 @@ b = vars(p.parse_args(bench))
 s = vars(make_arg_parser(FlexibleArgumentParser()).parse_args(server))
 plain = (str, int, float, bool, list, type(None))
 keep = lambda d: {k: v for k, v in d.items() if isinstance(v, plain)}
-print(json.dumps(dict(bench=keep(b), server=keep(s))))
+cc = s.get("compilation_config")
+seen = dict(cc_mode=str(getattr(cc, "mode", cc)), cc_graphs=str(getattr(cc, "cudagraph_mode", cc)))
+print(json.dumps(dict(bench=keep(b), server=dict(keep(s), **seen))))
 """
 
 
@@ -461,9 +467,13 @@ def test_arguments_parse_with_vllms_own_parsers(tmp_path):
     assert s["language_model_only"] is True and s["enable_prefix_caching"] is False
     assert (s["max_num_batched_tokens"], s["max_num_seqs"], s["max_model_len"]) == \
         (CHUNK, serve.MAX_NUM_SEQS, serve.MAX_MODEL_LEN)
-    assert s["enforce_eager"] is True and s["enable_chunked_prefill"] is True
+    # the eager form keeps vLLM's JIT warmup: compilation mode NONE and no CUDA graphs
+    # through the compilation config, not --enforce-eager (which turns the warmup off)
+    assert s["enforce_eager"] is False and s["enable_chunked_prefill"] is True
+    assert s["cc_mode"] in ("0", "CompilationMode.NONE"), s["cc_mode"]
+    assert s["cc_graphs"] in ("NONE", "CUDAGraphMode.NONE"), s["cc_graphs"]
     assert s["kv_cache_memory_bytes"] == int(serve.KV_CACHE_GIB * (1 << 30))
     assert abs(s["gpu_memory_utilization"] - 0.283) < 1e-9 and s["seed"] == 0
     graphs = serve.server_argv(serve.parse_args(["--checkpoint", "/ck"]), Path("/ck"), "m",
                                1, 0.85)
-    assert "--enforce-eager" not in graphs
+    assert "--enforce-eager" not in graphs and "--compilation-config" not in graphs

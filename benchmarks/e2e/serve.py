@@ -100,7 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="fewer requests per run (serve_bench.NUM_PROMPTS) and, unless "
                     "--graphs, eager servers: one model in three modes in ~9 minutes")
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--eager", action="store_true", help="vllm serve --enforce-eager")
+    g.add_argument("--eager", action="store_true",
+                   help="no torch.compile and no CUDA graphs, vLLM's JIT kernel warmup kept "
+                   "(EAGER_COMPILATION)")
     g.add_argument("--graphs", action="store_true",
                    help="vLLM's default torch.compile + CUDA graphs (the default without "
                    "--quick)")
@@ -246,6 +248,15 @@ def server_env(mode: str, work: Path) -> dict:
     return env
 
 
+# The eager form: no torch.compile and no CUDA graphs, as --enforce-eager, but vLLM's JIT
+# kernel warmup stays on (--enforce-eager turns it off, config/vllm.py). Without the warmup
+# every kernel compiles on first use while serving: on the H200 at 3e2842d an eager
+# A100-faithful engine stalled 29 s inside one timed request compiling two TileLang mHC
+# kernels for a token-count bucket its warm-up had not met (GPU idle 32.6 of 36.7 s,
+# benchmarks/results/h200-2026-12-02-e2e-long-3e2842d.json).
+EAGER_COMPILATION = {"mode": 0, "cudagraph_mode": "NONE"}
+
+
 def server_argv(args, ckpt: Path, served: str, port: int, gpu_mem: float) -> list[str]:
     argv = [args.python, "-m", "vllm.entrypoints.cli.main", "serve", str(ckpt),
             "--host", args.host, "--port", str(port), "--served-model-name", served,
@@ -256,7 +267,7 @@ def server_argv(args, ckpt: Path, served: str, port: int, gpu_mem: float) -> lis
             "--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30))),
             "--seed", "0", "--disable-uvicorn-access-log"]
     if not args.graphs:
-        argv.append("--enforce-eager")
+        argv += ["--compilation-config", json.dumps(EAGER_COMPILATION)]
     return argv + list(args.server_arg)
 
 
