@@ -70,7 +70,8 @@ def _fake_sh(started: list, serve=True, kill=None, ref_shift=0):
             return 0
         args = run.parse_args(cmd[2:])
         name = Path(args.model).name.rsplit("-", 1)[0]
-        started.append(("long", (name, args.mode, "eager" if args.eager else "graphs"), args))
+        eager = args.eager or args.jit_warmup
+        started.append(("long", (name, args.mode, "eager" if eager else "graphs"), args))
         if not serve:
             run.write_json(args.out, dict(mode=args.mode, complete=True, rows=[], plan=[]))
             return 0
@@ -116,7 +117,9 @@ def test_default_flags_plan_four_eager_engines(fakes, tmp_path):
     assert [t for t, _ in jobs] == [("v41-long", "a100", "eager"), ("v41-long", "upstream", "eager"),
                                     ("v4-long", "a100", "eager"), ("v4-long", "upstream", "eager")]
     for _, a in jobs:
-        assert a.task == "long" and a.eager and a.gpu_mem == e2e.LONG_GPU_MEM
+        # eager, vLLM's JIT warmup kept (run.py --jit-warmup, not --eager)
+        assert a.task == "long" and a.jit_warmup and not a.eager
+        assert a.gpu_mem == e2e.LONG_GPU_MEM
         assert a.long_lens == [131072, 524288, 1048000] == a.b4_lens
         assert (a.agree_len, a.profile_len, a.decode_tokens, a.chunk) == (131072, 1048000, 64, 8192)
         assert a.max_num_seqs == 4
@@ -143,7 +146,7 @@ def test_flag_sets_select_engines_and_requests(fakes, tmp_path):
     assert [t for t, _ in jobs] == [(n, m, f) for f in ("eager", "graphs")
                                     for n in e2e.LONG_MODELS for m in ("upstream", "a100")]
     for (_, _, form), a in jobs:
-        assert a.eager == (form == "eager")
+        assert a.jit_warmup == (form == "eager") and not a.eager
         assert a.long_lens == [131072, 1048000] and a.b4_lens == []
         assert (a.agree_len, a.profile_len) == (0, 0)
         assert a.max_model_len == 1048320   # 1,048,000 + 64 decode + 2, up to 256

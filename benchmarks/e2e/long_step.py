@@ -109,7 +109,13 @@ def long_command(work: Path, name: str, mode: str, form: str, opts: dict) -> lis
     if opts["request_timeout"]:
         cmd += ["--request-timeout", str(opts["request_timeout"])]
     if form == "eager":
-        cmd.append("--eager")
+        # No torch.compile and no CUDA graphs, with vLLM's JIT kernel warmup kept (run.py
+        # --jit-warmup; --eager would turn it off). Without it, a timed request compiles
+        # what the warm-up requests did not meet: at 3e2842d the batch of four at 131K
+        # (v41-long, a100) spent 29 s of its 36.7 s compiling two TileLang mHC kernels for
+        # a new token-count bucket, the GPU idle 32.6 s
+        # (benchmarks/results/h200-2026-12-02-e2e-long-3e2842d.json).
+        cmd.append("--jit-warmup")
     return cmd
 
 

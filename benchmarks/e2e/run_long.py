@@ -22,10 +22,11 @@ from run_common import agree_rows, prompts
 # served 1M-token prompts (a 1M prefill is 128 engine steps, each chunk's activations fit in
 # the memory vLLM leaves outside gpu_memory_utilization 0.80).
 LONG_CHUNK = 8192
-# Warm-up before the timed requests (served, not timed). With --eager vLLM's JIT warmup is
-# off, and the upstream mode skips DeepGEMM's (VLLM_DEEP_GEMM_WARMUP=skip, main), so kernels
-# compile on first use; this makes that happen before any clock runs, for a batch of 4 and
-# of 1. 12,288 tokens: one full chunk and a partial one, then mixed prefill and decode steps
+# Warm-up before the timed requests (served, not timed). The upstream mode skips DeepGEMM's
+# JIT warmup (VLLM_DEEP_GEMM_WARMUP=skip, main), and with --eager vLLM's own is off too, so
+# kernels compile on first use; this makes most of that happen before any clock runs, for a
+# batch of 4 and of 1. It cannot meet every token count a timed step has (the long step
+# therefore serves its eager form with --jit-warmup, long_step.long_command). 12,288 tokens: one full chunk and a partial one, then mixed prefill and decode steps
 # in the batch of 4; and past every selection threshold of the long configs: ratio-2 layers
 # hold 6,144 compressed entries (> top-k 512), ratio-1 ones 12,288 and C4A ones 3,072 (> the
 # 1,024 entries of 16 candidate blocks of 64), C128A 96.
