@@ -521,8 +521,12 @@ def test_against_upstream_tilelang(monkeypatch, form, t, hidden):
         # V4 derives its pre-mix from the projection, which upstream forms from the fp32
         # streams; where the collapse cancels, upstream's layer input sat 0.016-0.031 from
         # ours on the H200 (5f3a658). The reference projects the bf16 streams, as ours does.
-        assert _bf16_ulps(ours[3], want[3], 2.0), (_err(ours[3], want[3]),
-                                                   _err(up[3], want[3]))
+        # Two ulps of the output is no bound where the collapse cancels: at 3e2842d ours was
+        # 0.0156 from the reference at T = 24 and 32, hidden 5120, where upstream was 0.031
+        # (benchmarks/results/h200-2026-12-02-gpu-tests-3e2842d.json). So: within two ulps,
+        # or no further from the reference than upstream's.
+        e_ours, e_up = _err(ours[3], want[3]), _err(up[3], want[3])
+        assert _bf16_ulps(ours[3], want[3], 2.0) or e_ours <= e_up, (e_ours, e_up)
     # through upstream's op, as the model calls it: the patched function returns ours
     got = (ops.mhc_fused_post_pre_delayed_tilelang(*a, pre_mix=d["pre"], norm_weight=d["w"],
                                                    norm_eps=NORM_EPS)
