@@ -49,6 +49,11 @@ def install(root: Path) -> None:
         "vllm/entrypoints/cli/main.py": ("import sys\nfrom serve_fakes import cli_main\n"
                                          "if __name__ == '__main__':\n"
                                          "    sys.exit(cli_main(sys.argv[1:]))\n"),
+        "vllm/entrypoints/cli/serve.py": "",
+        "vllm/entrypoints/openai/__init__.py": "",
+        "vllm/entrypoints/openai/api_server.py": "",
+        "model_hosting_container_standards/__init__.py": "",
+        "model_hosting_container_standards/sagemaker.py": "",
         "vllm/benchmarks/__init__.py": "",
         "vllm/benchmarks/serve.py": "from serve_fakes import add_cli_args, main_async  # noqa\n",
         "vllm/utils/__init__.py": "",

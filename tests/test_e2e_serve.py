@@ -207,6 +207,23 @@ def test_deadline_too_short_starts_nothing(fake):
     assert not (work / "serve" / "ck-eager" / "upstream" / "server.log").exists()
 
 
+def test_preflight_names_a_missing_serving_module_before_any_server(fake, tmp_path):
+    """A serving python that lacks a module `vllm serve` imports only when it builds the app
+    (the SageMaker router's) is refused before any server starts, naming the module."""
+    shadow = tmp_path / "shadow" / "model_hosting_container_standards"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    (shadow / "sagemaker.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'jmespath'\")\n")
+    env = {"PYTHONPATH": f"{tmp_path / 'shadow'}{os.pathsep}{fake['env']['PYTHONPATH']}"}
+    r, data, work = _serve(fake, "preflight", "--modes", "upstream", env=env)
+    assert r.returncode != 0 and data is None
+    assert "model_hosting_container_standards.sagemaker" in r.stderr and "jmespath" in r.stderr
+    assert not (work / "serve").exists()
+    # the happy runs imported every module first and recorded it
+    assert serve.preflight(sys.executable, fake["env"]) == {"missing": {}}
+
+
 def test_results_merge_other_modes_of_the_same_commit(fake, happy):
     """A later invocation running one mode reports the work folder's other modes too, when
     they ran at the same commit and graph form."""

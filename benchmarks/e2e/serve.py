@@ -126,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"gpu_memory_utilization per server (default {GPU_MEM} shared "
                     "among the servers running side by side)")
     ap.add_argument("--start-timeout", type=float, default=START_TIMEOUT_S)
+    ap.add_argument("--skip-preflight", action="store_true",
+                    help="start the servers without first importing SERVE_IMPORTS")
     ap.add_argument("--stop-linger", type=float, default=serve_proc.LINGER_S,
                     help="seconds the other processes of a stopped server (its sid) may "
                     "take to exit before they count as left behind")
@@ -230,6 +232,36 @@ def gpu_name(nvidia_smi: str) -> str | None:
         return names[0] if names else None
     except (OSError, subprocess.TimeoutExpired):
         return None
+
+
+# Modules `vllm serve` imports beyond what `import vllm` and the offline engine load: the CLI
+# and the API server (uvicorn, watchfiles, prometheus_fastapi_instrumentator, ...), the
+# benchmark client, and the SageMaker router's model_hosting_container_standards, which
+# vLLM 0.33.0 imports only when it builds the app (entrypoints/serve/sagemaker/api_router.py),
+# after the engine has started: on the H200 at 5c66855 a trimmed install failed there after
+# 243 s of engine start-up (benchmarks/results/h200-2026-12-02-e2e-serve-5c66855.json). So
+# they are imported once, in the serving python, before any server starts.
+SERVE_IMPORTS = ("vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve",
+                 "vllm.entrypoints.openai.api_server", "vllm.benchmarks.serve",
+                 "model_hosting_container_standards.sagemaker")
+
+
+def preflight(python: str, env: dict, modules=SERVE_IMPORTS) -> dict:
+    """Import each of ``modules`` in ``python`` (one process); ``{"missing": {module:
+    error}}``, empty when all import."""
+    code = ("import importlib, json, sys\nbad = {}\n"
+            "for m in sys.argv[1:]:\n"
+            "    try: importlib.import_module(m)\n"
+            "    except BaseException as e: bad[m] = f'{type(e).__name__}: {e}'[:300]\n"
+            "print(json.dumps(bad))")
+    try:
+        r = subprocess.run([python, "-c", code, *modules], capture_output=True, text=True,
+                           timeout=300, env=env)
+        lines = r.stdout.strip().splitlines()
+        missing = json.loads(lines[-1]) if lines else {"(python)": r.stderr.strip()[-300:]}
+    except Exception as e:  # noqa: BLE001
+        missing = {"(python)": f"{type(e).__name__}: {e}"}
+    return dict(missing=missing)
 
 
 def overlay_status(python: str) -> dict:
@@ -517,6 +549,14 @@ def main(argv=None) -> int:
                              f"(tools/install_overlay.py status: rc {ov['rc']}): the a100 "
                              "and default modes would serve upstream; `make serve-bench` "
                              f"installs it\n{ov['text']}")
+    if not args.skip_preflight:
+        pf = preflight(args.python, server_env(args.mode_list[0], args.work))
+        meta["preflight"] = pf
+        if pf["missing"]:
+            raise SystemExit(
+                "vllm serve cannot run in " + args.python + ": " + "; ".join(
+                    f"{m}: {e}" for m, e in pf["missing"].items()) + " (install vLLM's "
+                "serving dependencies; --skip-preflight starts the servers anyway)")
     ckpt, label = prepare_checkpoint(args)
     groups = [[m] for m in args.mode_list] if args.serial else [args.mode_list]
     ctx = Ctx(args, ckpt, label, meta)
