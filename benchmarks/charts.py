@@ -281,6 +281,11 @@ def chart_spec(rs: list[dict], meta: dict, out: Path) -> Path:
             ax_r.plot(xs, [nan if p[3] is None else p[3] for p in pts], marker="o",
                       color=f"C{j}", label=label)
         ax_r.axhline(1.5, color="#999999", ls=":", lw=1, label="goal 1.5x")
+        if not any(p[3] is not None for pts in d[key].values() for p in pts):
+            # no plain engine ran: an empty panel saying so (a log axis over no data fails)
+            ax_r.text(0.5, 0.5, "no plain engine in this run", ha="center", va="center",
+                      transform=ax_r.transAxes, fontsize=8)
+            ax_r.set_xlim(0.8, 2 * max(p[0] for pts in d[key].values() for p in pts))
         for ax, what in ((ax_t, "decode tokens/s (higher is better)"),
                          (ax_r, "verify step / plain step")):
             ax.set_xscale("log", base=2)
@@ -288,7 +293,7 @@ def chart_spec(rs: list[dict], meta: dict, out: Path) -> Path:
             ax.set_ylabel(what)
             ax.legend(fontsize=6)
         ax_t.set_title(f"{key[0]} {key[1]} k={key[2]}", fontsize=9)
-    fig.suptitle(f"Speculative decoding in vLLM — {meta.get('gpu')} (a100 = A100-faithful "
+    fig.suptitle(f"Speculative decoding in vLLM — {meta.get('gpu')}\n(a100 = A100-faithful "
                  "kernel choice run on this GPU, not an A100)", fontsize=9)
     return _save(fig, out)
 

@@ -458,8 +458,8 @@ def test_spec_plan_prints_and_runs_nothing(tmp_path, monkeypatch, capsys):
         e2e.main()
     assert exc.value.code == 0 and started == [] and not (tmp_path / "r").exists()
     out = capsys.readouterr().out
-    assert "~180 s  v41-dspark-mini-a100-spec-dspark-graphs" in out
-    assert "7 of 7 engines to run, estimated 1260 s" in out
+    assert "~380 s  v41-dspark-mini-a100-spec-dspark-graphs" in out
+    assert "7 of 7 engines to run, estimated 2660 s" in out
 
 
 def test_deadline_drops_the_tail_in_order(tmp_path):

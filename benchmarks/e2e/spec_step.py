@@ -53,8 +53,10 @@ SPEC_KV_GIB = 4.0   # fixed KV cache: no memory-profiling comparison, no start-u
 # warmup, the rule prompts, the decode windows): the mini models' nocompile engines loaded
 # in 58-116 s cold and 11-14 s with a warm Triton cache (zero_compile rows, load_seconds, of
 # benchmarks/results/h200-2026-12-01-e2e-nocompile-5ddee71.json and ...-e2e-d80f014.json);
-# torch.compile + capture adds about a minute and a half; --quick takes ~20 s off the work.
-ENGINE_S = {"eager": 90, "graphs": 180, "nocompile": 150}
+# --quick takes ~20 s off the work. Graphs: the DSpark graphs engine of
+# benchmarks/results/h200-2026-12-02-e2e-spec-3e2842d.json took 361 s with --quick (engine
+# init 275 s: torch.compile, vLLM's JIT warmup, capture), so 380 less the quick saving.
+ENGINE_S = {"eager": 90, "graphs": 380, "nocompile": 150}
 QUICK_SAVES_S = 20
 # The limit of one engine process (a stuck engine must not eat the GPU call).
 ENGINE_TIMEOUT_S = {"eager": 300, "graphs": 480, "nocompile": 400}
