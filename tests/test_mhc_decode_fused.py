@@ -287,6 +287,21 @@ def test_deterministic_and_leading_shape(device):
     assert all(torch.equal(_bits(x.reshape(y.shape)), _bits(y)) for x, y in zip(got, flat))
 
 
+@pytest.mark.usefixtures("gpu_like_interpreter", "ampere")
+@pytest.mark.parametrize("form,t", [("v41", 3), ("v4", 3), ("v4", 17)])
+def test_scratch_picks_give_the_same_bits(monkeypatch, device, form, t):
+    """The coefficient CTA (and V4's norm CTA) reading its summed record through a scratch
+    row (SCRATCH_PICKS) or through one reduction per scalar: bit-identical outputs."""
+    d = _inputs(t, CPU_HIDDEN, device, seed=50 + t)
+    monkeypatch.setattr(df, "SCRATCH_PICKS", True)
+    a = _call(d, form)
+    monkeypatch.setattr(df, "SCRATCH_PICKS", False)
+    b = _call(d, form)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(_bits(x), _bits(y))
+
+
 # --------------------------------------------------------------------------- routing
 def test_feature_defaults():
     from vllm.deepinfer import envs

@@ -5,10 +5,15 @@ CUDA graph with the Sinkhorn loop at its 20 iterations and at 1 (what the loop c
 
     python benchmarks/diag/mhc_decode_phases.py --out benchmarks/results/<gpu>-<date>-mhc-decode-phases-<commit>.json
     python benchmarks/diag/mhc_decode_phases.py --dry-run      # any machine: the cases only
+    python benchmarks/diag/mhc_decode_phases.py --picks scratch # one way of reading the record
+
+``--picks`` (default ``scratch,sum``): each case with decode_fused.SCRATCH_PICKS on
+(``scratch``: the summed record stored once and its scalars loaded) and off (``sum``: one
+cross-thread reduction per scalar), the two ways the coefficient CTA can read its record.
 
 Needs a CUDA GPU with torch and Triton; not vLLM (the kernel module imports with torch and
-Triton alone). Rows (one per form, hidden size and token count):
-``{form, hidden, tokens, grid, launches, stamp_ns: {...}, graph_us, graph_us_sinkhorn1}``
+Triton alone). Rows (one per form, hidden size, token count and picks):
+``{form, hidden, tokens, picks, grid, launches, stamp_ns: {...}, graph_us, graph_us_sinkhorn1}``
 where ``stamp_ns`` holds, as medians over launches (ns after the first CTA's entry):
 ``all_started`` (the last CTA's entry), ``slices_released`` (the last slice CTA's release),
 ``waiters_passed`` (the last waiter past its wait), ``coef_records`` / ``coef_sinkhorn`` /
@@ -43,8 +48,11 @@ LAUNCHES = 200
 GRAPH_CALLS = 50
 
 
-def cases():
-    return [(f, h, t) for f in FORMS for h in HIDDEN for t in TOKENS]
+PICKS = ("scratch", "sum")
+
+
+def cases(picks=PICKS):
+    return [(f, h, t, p) for f in FORMS for h in HIDDEN for t in TOKENS for p in picks]
 
 
 def _inputs(t, hidden, seed):
@@ -139,9 +147,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="results JSON")
     ap.add_argument("--dry-run", action="store_true", help="print the cases and exit")
+    ap.add_argument("--picks", default=",".join(PICKS),
+                    help="scratch and/or sum (decode_fused.SCRATCH_PICKS on / off)")
     args = ap.parse_args(argv)
+    picks = [p for p in args.picks.split(",") if p]
+    if not picks or set(picks) - set(PICKS):
+        ap.error(f"--picks {args.picks!r}: expected a comma list of {', '.join(PICKS)}")
     if args.dry_run:
-        print(json.dumps([dict(form=f, hidden=h, tokens=t) for f, h, t in cases()]))
+        print(json.dumps([dict(form=f, hidden=h, tokens=t, picks=p)
+                          for f, h, t, p in cases(picks)]))
         return 0
     os.environ.setdefault("DEEPINFER_ARCH", "sm80")   # the Ampere build, run on this GPU
     os.environ["DEEPINFER_MHC_DECODE"] = "1"
@@ -156,18 +170,19 @@ def main(argv=None) -> int:
                 deepinfer_arch=os.environ.get("DEEPINFER_ARCH"),
                 note="phase stamps of the mHC decode kernel's TRACE build (%globaltimer); "
                      "H200 figures of the Ampere build, not A100 figures")
-    for form, hidden, tokens in cases():
+    for form, hidden, tokens, pick in cases(picks):
+        df.SCRATCH_PICKS = pick == "scratch"
         d = _inputs(tokens, hidden, seed=tokens * 7 + hidden)
         key = df.key_for(tokens, hidden, torch.cuda.get_device_properties(0).multi_processor_count,
                          sinkhorn=20, delayed=form == "v41")
-        row = dict(form=form, hidden=hidden, tokens=tokens, grid=key.grid(tokens),
+        row = dict(form=form, hidden=hidden, tokens=tokens, picks=pick, grid=key.grid(tokens),
                    slices=key.slices, launches=LAUNCHES,
                    graph_us=_graph_us(df, d, form, 20),
                    graph_us_sinkhorn1=_graph_us(df, d, form, 1),
                    stamp_ns=_phases(df, d, form, key, tokens))
         rows.append(row)
         s = row["stamp_ns"]
-        print(f"{form:4} h={hidden} T={tokens:2}  graph {row['graph_us']:6.2f} us "
+        print(f"{form:4} h={hidden} T={tokens:2} {pick:7}  graph {row['graph_us']:6.2f} us "
               f"(sinkhorn 1: {row['graph_us_sinkhorn1']:6.2f})  started {s['all_started']}  "
               f"slice span {s['slice_span']}  released {s['slices_released']}  "
               f"passed {s['waiters_passed']}  records {s['coef_records']}  "

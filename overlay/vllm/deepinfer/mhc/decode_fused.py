@@ -104,6 +104,16 @@ SLICE_COLUMNS = (32, 64)
 TRACE_PHASES = False
 TRACE_COLS = tl.constexpr(8)
 TRACE_ROWS = 512          # >= the largest grid: 256 slices + 3 CTAs x 32 tokens
+# How the coefficient CTA (and V4's norm CTA) reads the 25 scalars of its summed record.
+# False: one cross-thread tl.sum over the 32-float vector per scalar (the 5f3a658 kernel: 24
+# or 5 reductions, each across the CTA's warps). True: the vector stored once to a per-token
+# scratch row of the workspace, one CTA barrier, then 25 scalar loads. The phase stamps at
+# b8745b3 put 1.7 us between the slices' release and the summed records and 3.3 us in the
+# coefficient chain (benchmarks/results/h200-2026-12-02-mhc-decode-phases-b8745b3.json); the
+# picks are part of both. Same values either way (the sum adds zeros to the one element);
+# the scratch form has not run on a GPU: benchmarks/diag/mhc_decode_phases.py --picks
+# compares the two.
+SCRATCH_PICKS = True
 
 
 @triton.jit
@@ -276,6 +286,26 @@ def _pick(v, k, i: tl.constexpr):
 
 
 @triton.jit
+def _picker(ws, row, mix, k, SCRATCH: tl.constexpr):
+    """With SCRATCH: store the summed record ``mix`` to scratch row ``row`` of the workspace
+    and fence the CTA, so that ``_get`` reads its scalars by plain loads; the row's address
+    (unused without SCRATCH)."""
+    sp = ws + _SCRATCH_BASE + row * REC
+    if SCRATCH:
+        tl.store(sp + k, mix)
+        tl.debug_barrier()
+    return sp
+
+
+@triton.jit
+def _get(mix, k, sp, i: tl.constexpr, SCRATCH: tl.constexpr):
+    if SCRATCH:
+        return tl.load(sp + i)
+    else:
+        return _pick(mix, k, i)
+
+
+@triton.jit
 def _norm4(a, b, c, d, eps):
     inv = 1.0 / ((((a + b) + c) + d) + eps)
     return a * inv, b * inv, c * inv, d * inv
@@ -313,18 +343,19 @@ def _norm_group_role(t, g, ws, norm_w, layer_input, norm_eps, H: tl.constexpr,
 @triton.jit
 def _norm_row_role(t, ws, hc_scale, hc_base, residual_out, norm_w, layer_input,
                    rms_eps, hc_pre_eps, norm_eps, H: tl.constexpr, CH: tl.constexpr,
-                   S_PAD: tl.constexpr, CB: tl.constexpr):
+                   S_PAD: tl.constexpr, CB: tl.constexpr, PICKS: tl.constexpr):
     """V4: token t's pre-mix from the projection, the collapse of the stored streams with it,
     and its RMSNorm (two passes over the row, each loading a block ahead)."""
     S: tl.constexpr = H // CH
     NC: tl.constexpr = (H + CB - 1) // CB
     mix, k = _records(ws, t, S, S_PAD)
-    rms = tl.math.rsqrt(_pick(mix, k, 24) / (4 * H) + rms_eps)
+    sp = _picker(ws, 2 * t + 1, mix, k, PICKS)
+    rms = tl.math.rsqrt(_get(mix, k, sp, 24, PICKS) / (4 * H) + rms_eps)
     s0 = tl.load(hc_scale)
-    q0 = tl.sigmoid(_pick(mix, k, 0) * rms * s0 + tl.load(hc_base)) + hc_pre_eps
-    q1 = tl.sigmoid(_pick(mix, k, 1) * rms * s0 + tl.load(hc_base + 1)) + hc_pre_eps
-    q2 = tl.sigmoid(_pick(mix, k, 2) * rms * s0 + tl.load(hc_base + 2)) + hc_pre_eps
-    q3 = tl.sigmoid(_pick(mix, k, 3) * rms * s0 + tl.load(hc_base + 3)) + hc_pre_eps
+    q0 = tl.sigmoid(_get(mix, k, sp, 0, PICKS) * rms * s0 + tl.load(hc_base)) + hc_pre_eps
+    q1 = tl.sigmoid(_get(mix, k, sp, 1, PICKS) * rms * s0 + tl.load(hc_base + 1)) + hc_pre_eps
+    q2 = tl.sigmoid(_get(mix, k, sp, 2, PICKS) * rms * s0 + tl.load(hc_base + 2)) + hc_pre_eps
+    q3 = tl.sigmoid(_get(mix, k, sp, 3, PICKS) * rms * s0 + tl.load(hc_base + 3)) + hc_pre_eps
     base = tl.arange(0, CB)
     ro = t * (4 * H) + base
     n0 = tl.load(residual_out + ro, mask=base < H, other=0.0, cache_modifier=".cg")
@@ -374,39 +405,40 @@ def _norm_row_role(t, ws, hc_scale, hc_base, residual_out, norm_w, layer_input,
 def _coef_role(t, ws, hc_scale, hc_base, post_out, comb_out, pre_out, rms_eps, hc_pre_eps,
                hc_sinkhorn_eps, hc_post_mult, H: tl.constexpr, CH: tl.constexpr,
                S_PAD: tl.constexpr, SINKHORN: tl.constexpr, DELAYED: tl.constexpr,
-               row, TRACE: tl.constexpr):
+               row, TRACE: tl.constexpr, PICKS: tl.constexpr):
     S: tl.constexpr = H // CH
     mix, k = _records(ws, t, S, S_PAD)
-    rms = tl.math.rsqrt(_pick(mix, k, 24) / (4 * H) + rms_eps)
+    sp = _picker(ws, 2 * t, mix, k, PICKS)
+    rms = tl.math.rsqrt(_get(mix, k, sp, 24, PICKS) / (4 * H) + rms_eps)
     _stamp(ws, row, 4, rms.to(tl.int32, bitcast=True), TRACE)
     s0 = tl.load(hc_scale)
     s1 = tl.load(hc_scale + 1)
     s2 = tl.load(hc_scale + 2)
     if DELAYED:  # the next boundary's pre-mix
         for j in tl.static_range(4):
-            z = _pick(mix, k, j) * rms * s0 + tl.load(hc_base + j)
+            z = _get(mix, k, sp, j, PICKS) * rms * s0 + tl.load(hc_base + j)
             tl.store(pre_out + t * 4 + j, tl.sigmoid(z) + hc_pre_eps)
     for j in tl.static_range(4):
-        z = _pick(mix, k, 4 + j) * rms * s1 + tl.load(hc_base + 4 + j)
+        z = _get(mix, k, sp, 4 + j, PICKS) * rms * s1 + tl.load(hc_base + 4 + j)
         tl.store(post_out + t * 4 + j, tl.sigmoid(z) * hc_post_mult)
     # comb logits m[j][k] = mix[8 + 4j + k]: softmax over each row, then Sinkhorn
     e = hc_sinkhorn_eps
-    m00, m01, m02, m03 = _softmax4(_pick(mix, k, 8) * rms * s2 + tl.load(hc_base + 8),
-                                   _pick(mix, k, 9) * rms * s2 + tl.load(hc_base + 9),
-                                   _pick(mix, k, 10) * rms * s2 + tl.load(hc_base + 10),
-                                   _pick(mix, k, 11) * rms * s2 + tl.load(hc_base + 11), e)
-    m10, m11, m12, m13 = _softmax4(_pick(mix, k, 12) * rms * s2 + tl.load(hc_base + 12),
-                                   _pick(mix, k, 13) * rms * s2 + tl.load(hc_base + 13),
-                                   _pick(mix, k, 14) * rms * s2 + tl.load(hc_base + 14),
-                                   _pick(mix, k, 15) * rms * s2 + tl.load(hc_base + 15), e)
-    m20, m21, m22, m23 = _softmax4(_pick(mix, k, 16) * rms * s2 + tl.load(hc_base + 16),
-                                   _pick(mix, k, 17) * rms * s2 + tl.load(hc_base + 17),
-                                   _pick(mix, k, 18) * rms * s2 + tl.load(hc_base + 18),
-                                   _pick(mix, k, 19) * rms * s2 + tl.load(hc_base + 19), e)
-    m30, m31, m32, m33 = _softmax4(_pick(mix, k, 20) * rms * s2 + tl.load(hc_base + 20),
-                                   _pick(mix, k, 21) * rms * s2 + tl.load(hc_base + 21),
-                                   _pick(mix, k, 22) * rms * s2 + tl.load(hc_base + 22),
-                                   _pick(mix, k, 23) * rms * s2 + tl.load(hc_base + 23), e)
+    m00, m01, m02, m03 = _softmax4(_get(mix, k, sp, 8, PICKS) * rms * s2 + tl.load(hc_base + 8),
+                                   _get(mix, k, sp, 9, PICKS) * rms * s2 + tl.load(hc_base + 9),
+                                   _get(mix, k, sp, 10, PICKS) * rms * s2 + tl.load(hc_base + 10),
+                                   _get(mix, k, sp, 11, PICKS) * rms * s2 + tl.load(hc_base + 11), e)
+    m10, m11, m12, m13 = _softmax4(_get(mix, k, sp, 12, PICKS) * rms * s2 + tl.load(hc_base + 12),
+                                   _get(mix, k, sp, 13, PICKS) * rms * s2 + tl.load(hc_base + 13),
+                                   _get(mix, k, sp, 14, PICKS) * rms * s2 + tl.load(hc_base + 14),
+                                   _get(mix, k, sp, 15, PICKS) * rms * s2 + tl.load(hc_base + 15), e)
+    m20, m21, m22, m23 = _softmax4(_get(mix, k, sp, 16, PICKS) * rms * s2 + tl.load(hc_base + 16),
+                                   _get(mix, k, sp, 17, PICKS) * rms * s2 + tl.load(hc_base + 17),
+                                   _get(mix, k, sp, 18, PICKS) * rms * s2 + tl.load(hc_base + 18),
+                                   _get(mix, k, sp, 19, PICKS) * rms * s2 + tl.load(hc_base + 19), e)
+    m30, m31, m32, m33 = _softmax4(_get(mix, k, sp, 20, PICKS) * rms * s2 + tl.load(hc_base + 20),
+                                   _get(mix, k, sp, 21, PICKS) * rms * s2 + tl.load(hc_base + 21),
+                                   _get(mix, k, sp, 22, PICKS) * rms * s2 + tl.load(hc_base + 22),
+                                   _get(mix, k, sp, 23, PICKS) * rms * s2 + tl.load(hc_base + 23), e)
     m00, m10, m20, m30 = _norm4(m00, m10, m20, m30, e)
     m01, m11, m21, m31 = _norm4(m01, m11, m21, m31, e)
     m02, m12, m22, m32 = _norm4(m02, m12, m22, m32, e)
@@ -449,7 +481,7 @@ def _mhc_decode_kernel(x, residual, post_in, comb_in, fn, hc_scale, hc_base, pre
                        BT: tl.constexpr, NB: tl.constexpr, CB: tl.constexpr,
                        SINKHORN: tl.constexpr, DELAYED: tl.constexpr,
                        USE_PRE_IN: tl.constexpr, WRITE_AUX: tl.constexpr, PIN: tl.constexpr,
-                       TRACE: tl.constexpr):
+                       TRACE: tl.constexpr, PICKS: tl.constexpr):
     S: tl.constexpr = H // CH
     # norm CTAs per token: V4.1 one per NB columns (the slices left only a scale to apply);
     # V4 one for the whole row (it collapses with a pre-mix it derives itself)
@@ -478,11 +510,11 @@ def _mhc_decode_kernel(x, residual, post_in, comb_in, fn, hc_scale, hc_base, pre
                                  S_PAD, NB)
             else:
                 _norm_row_role(i, ws, hc_scale, hc_base, residual_out, norm_w, layer_input,
-                               rms_eps, hc_pre_eps, norm_eps, H, CH, S_PAD, CB)
+                               rms_eps, hc_pre_eps, norm_eps, H, CH, S_PAD, CB, PICKS)
         else:
             _coef_role(ticket - S - NG * num_tokens, ws, hc_scale, hc_base, post_out,
                        comb_out, pre_out, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult,
-                       H, CH, S_PAD, SINKHORN, DELAYED, row, TRACE)
+                       H, CH, S_PAD, SINKHORN, DELAYED, row, TRACE, PICKS)
         _stamp(ws, row, 6, ticket, TRACE)
 
 
@@ -515,7 +547,7 @@ class DecodeKey:
                     BT=self.block_t, NB=min(NORM_BLOCK, triton.next_power_of_2(self.hidden)),
                     CB=min(COL_BLOCK, triton.next_power_of_2(self.hidden)),
                     SINKHORN=self.sinkhorn, DELAYED=self.delayed, USE_PRE_IN=self.use_pre_in,
-                    WRITE_AUX=self.write_aux, PIN=True, TRACE=False)
+                    WRITE_AUX=self.write_aux, PIN=True, TRACE=False, PICKS=SCRATCH_PICKS)
 
     @property
     def name(self) -> str:
@@ -556,9 +588,14 @@ def enabled() -> bool:
 
 _WORKSPACES: dict = {}
 # The workspace: the records (32 floats per token and slice, up to MAX_TOKENS tokens and the
-# slices of MAX_HIDDEN), then the phase stamps (int64, TRACE only) at int64 index _TRACE_BASE.
+# slices of MAX_HIDDEN), then the phase stamps (int64, TRACE only) at int64 index _TRACE_BASE,
+# then the scratch rows (_SCRATCH_BASE).
 _RECORD_FLOATS = MAX_TOKENS * triton.next_power_of_2(MAX_HIDDEN // SLICE_COLUMNS[0]) * REC.value
 _TRACE_BASE = tl.constexpr(_RECORD_FLOATS // 2)
+# Then the scratch rows of SCRATCH_PICKS (REC floats each: 2t for token t's coefficient CTA,
+# 2t + 1 for V4's norm CTA), in floats.
+_SCRATCH_BASE = tl.constexpr(_RECORD_FLOATS + 2 * TRACE_ROWS * TRACE_COLS.value)
+_SCRATCH_FLOATS = 2 * MAX_TOKENS * REC.value
 
 
 def _workspace(device):
@@ -570,7 +607,7 @@ def _workspace(device):
     got = _WORKSPACES.get(key)
     if got is None:
         got = _WORKSPACES[key] = (
-            torch.empty(_RECORD_FLOATS + 2 * TRACE_ROWS * TRACE_COLS.value, dtype=torch.float32,
+            torch.empty(_SCRATCH_BASE.value + _SCRATCH_FLOATS, dtype=torch.float32,
                         device=device),
             torch.zeros(4, dtype=torch.int32, device=device))
     return got
@@ -720,7 +757,7 @@ SIGNATURE = {
     "norm_eps": "fp32", "H": "constexpr", "CH": "constexpr", "S_PAD": "constexpr",
     "BT": "constexpr", "NB": "constexpr", "CB": "constexpr", "SINKHORN": "constexpr",
     "DELAYED": "constexpr", "USE_PRE_IN": "constexpr", "WRITE_AUX": "constexpr",
-    "PIN": "constexpr", "TRACE": "constexpr",
+    "PIN": "constexpr", "TRACE": "constexpr", "PICKS": "constexpr",
 }
 
 
