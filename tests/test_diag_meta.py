@@ -32,7 +32,8 @@ def test_version_by_distribution():
 
 def test_dry_runs_plan_without_a_gpu():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    for script, n in (("mhc_decode_phases.py", 16), ("cuda_ops_offsets.py", 4)):
+    for script, n in (("mhc_decode_phases.py", 16), ("cuda_ops_offsets.py", 4),
+                      ("warmup_threads.py", 2)):
         r = subprocess.run([sys.executable, str(DIAG / script), "--dry-run"], env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr

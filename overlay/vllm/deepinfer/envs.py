@@ -92,9 +92,10 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # fused boundary in one Triton launch (vllm.deepinfer.mhc.decode_fused, patch 0030)
     # instead of upstream's two TileLang launches. Off on the GPU variants. On the H200
     # (benchmarks/results/h200-2026-12-02-mhc_decode-5f3a658.json) it ran 0.82-1.14x
-    # upstream, and its residual streams were not bit-identical to upstream's in 42 of 54
-    # GPU test cases (docs/mhc.md section 6). DEEPINFER_MHC_DECODE=1 turns it on (needs mhc on
-    # too). On for "cpu", where the interpreter tests it.
+    # upstream; its residual streams are bit-identical to upstream's in every GPU test case
+    # at 3e2842d (benchmarks/results/h200-2026-12-02-gpu-tests-3e2842d.json; docs/mhc.md
+    # section 6). DEEPINFER_MHC_DECODE=1 turns it on (needs mhc on too). On for "cpu", where
+    # the interpreter tests it.
     Feature("mhc_decode", frozenset({"cpu"}),
             "mHC post + pre of 1-32 tokens in one launch (V4.1, V4)"),
     # Metadata identical across a KV-sharing group is built once per forward
@@ -126,6 +127,13 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # (benchmarks/results/archive/h200-2026-12-01-e2e-4ab26c8.json, zero_compile rows) saw each
     # compile while serving. On everywhere: it changes no value, only when compiles happen.
     Feature("serve_warmup", _ALL, "upstream ragged/candidate helpers unspecialized and warmed"),
+    # vLLM's JIT warmup builds non-Triton owners one key at a time; TileLang's mHC owners took
+    # about 97 of the 150.6 s warmup of an A100-faithful server on a fresh H200 machine
+    # (vllm.deepinfer.warmup_threads). On, V4.1's mHC epilogue owner (patch 0032) and our
+    # tensor-core projection build their keys on up to warmup_threads.MAX_THREADS threads:
+    # 19.2 -> 10.7 s for four projection keys on the 2-core CPU machine, the same CUDA source
+    # per key. Same kernels either way, hence on everywhere; 0 builds them in order.
+    Feature("warmup_threads", _ALL, "JIT warmup: TileLang mHC keys built on several threads"),
 )}
 
 

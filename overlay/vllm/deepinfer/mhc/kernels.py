@@ -113,9 +113,39 @@ def _kernel_factory():
     return prenorm_gemm_tc
 
 
+# Kernels built by compile_tc_many (TileLang's par_compile does not fill the JIT wrapper's own
+# call cache), looked up first by compile_tc.
+_BUILT: dict = {}
+
+
 def compile_tc(key: TcKey):
     """The compiled kernel for ``key`` (TileLang caches builds on disk and in process)."""
+    built = _BUILT.get(key)
+    if built is not None:
+        return built
     return _kernel_factory()(key.k, key.n_out, key.block_m, key.n_splits)
+
+
+def compile_tc_many(keys, num_workers: int) -> None:
+    """Build every key of ``keys`` (the JIT warmup): elaborated one after another, then
+    lowered and compiled by TileLang's ``par_compile`` on ``num_workers`` threads, for the
+    target of the surrounding ``tvm.target.Target`` context if any (worker threads do not
+    see the caller's context), else the wrapper's own ("auto": the visible GPU)."""
+    missing = [k for k in dict.fromkeys(keys) if k not in _BUILT]
+    if num_workers < 2 or len(missing) < 2:
+        for k in missing:
+            compile_tc(k)
+        return
+    from tilelang import tvm
+    from tilelang.jit import par_compile   # the module's function; tilelang.jit is the decorator
+    jit = _kernel_factory()
+    funcs = [jit.get_tir(k.k, k.n_out, k.block_m, k.n_splits) for k in missing]
+    target = tvm.target.Target.current(allow_none=True) or jit.target
+    built = par_compile(
+        funcs, out_idx=jit.out_idx, execution_backend=jit.execution_backend, target=target,
+        target_host=jit.target_host, verbose=jit.verbose, pass_configs=jit.pass_configs,
+        compile_flags=jit.compile_flags, num_workers=num_workers)
+    _BUILT.update(zip(missing, built, strict=True))
 
 
 def prenorm_gemm_tc(x, fn, sm_count: int):

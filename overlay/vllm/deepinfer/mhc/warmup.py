@@ -105,6 +105,11 @@ def _tc_owner():
         def compile(self, key: kernels.TcKey) -> None:
             kernels.compile_tc(key)
 
+        def compile_many(self, compile_keys) -> None:
+            from vllm.deepinfer import warmup_threads
+            keys = list(dict.fromkeys(compile_keys))
+            kernels.compile_tc_many(keys, warmup_threads.workers(len(keys)))
+
     return MhcTcProjection()
 
 
