@@ -131,8 +131,9 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # about 97 of the 150.6 s warmup of an A100-faithful server on a fresh H200 machine
     # (vllm.deepinfer.warmup_threads). On, V4.1's mHC epilogue owner (patch 0032) and our
     # tensor-core projection build their keys on up to warmup_threads.MAX_THREADS threads:
-    # 19.2 -> 10.7 s for four projection keys on the 2-core CPU machine, the same CUDA source
-    # per key. Same kernels either way, hence on everywhere; 0 builds them in order.
+    # 19.2 -> 10.6 s for four projection keys on the 2-core CPU machine, the same CUDA source
+    # per key (benchmarks/results/cpu-2026-12-02-warmup-threads-7716a8b.json). Same kernels
+    # either way, hence on everywhere; 0 gives upstream's 4 workers and builds ours in order.
     Feature("warmup_threads", _ALL, "JIT warmup: TileLang mHC keys built on several threads"),
 )}
 

@@ -15,10 +15,11 @@ Upstream's epilogue owner already uses it with ``min(4, keys)`` workers. With th
 - our projection's keys are elaborated one after another, then built by ``par_compile``
   (``mhc.kernels.compile_tc_many``).
 
-Measured on the 2-core CPU machine, four projection keys for sm_80: 19.2 s one after another,
-10.7 s on two threads. The CUDA source of every key is the same either way
-(tests/test_warmup_threads.py). ``DEEPINFER_WARMUP_THREADS=0`` gives upstream's 4 workers
-and builds our keys one at a time.
+Measured on the 2-core CPU machine (benchmarks/diag/warmup_threads.py,
+benchmarks/results/cpu-2026-12-02-warmup-threads-7716a8b.json), four projection keys for
+sm_80, each form with an empty TileLang cache: 19.2 s one after another, 10.6 s through
+par_compile on two workers, the same CUDA source per key (also tests/test_warmup_threads.py).
+``DEEPINFER_WARMUP_THREADS=0`` gives upstream's 4 workers and builds our keys one at a time.
 """
 from __future__ import annotations
 
