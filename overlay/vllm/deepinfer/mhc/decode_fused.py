@@ -323,6 +323,15 @@ def _softmax4(a, b, c, d, eps):
 
 
 @triton.jit
+def _comb_row(mix, k, sp, hc_base, rms, s2, e, i: tl.constexpr, PICKS: tl.constexpr):
+    """One row of the comb logits (mix[i .. i + 3], scaled and biased), softmaxed."""
+    return _softmax4(_get(mix, k, sp, i, PICKS) * rms * s2 + tl.load(hc_base + i),
+                     _get(mix, k, sp, i + 1, PICKS) * rms * s2 + tl.load(hc_base + i + 1),
+                     _get(mix, k, sp, i + 2, PICKS) * rms * s2 + tl.load(hc_base + i + 2),
+                     _get(mix, k, sp, i + 3, PICKS) * rms * s2 + tl.load(hc_base + i + 3), e)
+
+
+@triton.jit
 def _norm_group_role(t, g, ws, norm_w, layer_input, norm_eps, H: tl.constexpr,
                      CH: tl.constexpr, S_PAD: tl.constexpr, NB: tl.constexpr):
     """V4.1: columns [g * NB, (g + 1) * NB) of token t's layer input, RMSNorm'd in place (the
@@ -423,22 +432,10 @@ def _coef_role(t, ws, hc_scale, hc_base, post_out, comb_out, pre_out, rms_eps, h
         tl.store(post_out + t * 4 + j, tl.sigmoid(z) * hc_post_mult)
     # comb logits m[j][k] = mix[8 + 4j + k]: softmax over each row, then Sinkhorn
     e = hc_sinkhorn_eps
-    m00, m01, m02, m03 = _softmax4(_get(mix, k, sp, 8, PICKS) * rms * s2 + tl.load(hc_base + 8),
-                                   _get(mix, k, sp, 9, PICKS) * rms * s2 + tl.load(hc_base + 9),
-                                   _get(mix, k, sp, 10, PICKS) * rms * s2 + tl.load(hc_base + 10),
-                                   _get(mix, k, sp, 11, PICKS) * rms * s2 + tl.load(hc_base + 11), e)
-    m10, m11, m12, m13 = _softmax4(_get(mix, k, sp, 12, PICKS) * rms * s2 + tl.load(hc_base + 12),
-                                   _get(mix, k, sp, 13, PICKS) * rms * s2 + tl.load(hc_base + 13),
-                                   _get(mix, k, sp, 14, PICKS) * rms * s2 + tl.load(hc_base + 14),
-                                   _get(mix, k, sp, 15, PICKS) * rms * s2 + tl.load(hc_base + 15), e)
-    m20, m21, m22, m23 = _softmax4(_get(mix, k, sp, 16, PICKS) * rms * s2 + tl.load(hc_base + 16),
-                                   _get(mix, k, sp, 17, PICKS) * rms * s2 + tl.load(hc_base + 17),
-                                   _get(mix, k, sp, 18, PICKS) * rms * s2 + tl.load(hc_base + 18),
-                                   _get(mix, k, sp, 19, PICKS) * rms * s2 + tl.load(hc_base + 19), e)
-    m30, m31, m32, m33 = _softmax4(_get(mix, k, sp, 20, PICKS) * rms * s2 + tl.load(hc_base + 20),
-                                   _get(mix, k, sp, 21, PICKS) * rms * s2 + tl.load(hc_base + 21),
-                                   _get(mix, k, sp, 22, PICKS) * rms * s2 + tl.load(hc_base + 22),
-                                   _get(mix, k, sp, 23, PICKS) * rms * s2 + tl.load(hc_base + 23), e)
+    m00, m01, m02, m03 = _comb_row(mix, k, sp, hc_base, rms, s2, e, 8, PICKS)
+    m10, m11, m12, m13 = _comb_row(mix, k, sp, hc_base, rms, s2, e, 12, PICKS)
+    m20, m21, m22, m23 = _comb_row(mix, k, sp, hc_base, rms, s2, e, 16, PICKS)
+    m30, m31, m32, m33 = _comb_row(mix, k, sp, hc_base, rms, s2, e, 20, PICKS)
     m00, m10, m20, m30 = _norm4(m00, m10, m20, m30, e)
     m01, m11, m21, m31 = _norm4(m01, m11, m21, m31, e)
     m02, m12, m22, m32 = _norm4(m02, m12, m22, m32, e)
