@@ -5,7 +5,6 @@ owner."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -14,7 +13,6 @@ import pytest
 
 from vllm.deepinfer import routing, warmup_threads
 import patched_python
-import subproc
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,39 +39,18 @@ def test_workers_follow_the_switch_keys_and_cpus(monkeypatch):
     assert w(7, cpus=16) == 1
 
 
-_BUILD = r"""
-import hashlib, json, os, sys
-sys.path.insert(0, os.path.join(sys.argv[1], "overlay"))
-from tilelang import tvm
-from vllm.deepinfer.mhc import kernels
-keys = [kernels.TcKey(k=2048, n_out=24, block_m=16, n_splits=1),
-        kernels.TcKey(k=2048, n_out=24, block_m=64, n_splits=4),
-        kernels.TcKey(k=4096, n_out=24, block_m=32, n_splits=16)]
-with tvm.target.Target({"kind": "cuda", "arch": "sm_80"}):
-    if sys.argv[2] == "par":
-        kernels.compile_tc_many(keys, 3)
-        assert set(kernels._BUILT) == set(keys)
-    src = [kernels.compile_tc(k).get_kernel_source() for k in keys]
-print(json.dumps([hashlib.sha256(s.encode()).hexdigest() for s in src]))
-"""
-
-
-def test_par_compile_builds_the_same_kernels(tmp_path):
-    """Three projection keys for sm_80, each run with a TileLang cache of its own: built by
-    compile_tc_many (elaborated in turn, par_compile on three threads) and one at a time by
-    compile_tc: the same CUDA source per key."""
+def test_par_compile_builds_the_same_kernels():
+    """Three projection keys for sm_80, each form in a process with a TileLang cache of its
+    own (benchmarks/diag/warmup_threads.py measure): built by compile_tc_many (elaborated in
+    turn, par_compile on three threads) and one at a time by compile_tc: the same CUDA source
+    per key."""
     if importlib.util.find_spec("tilelang") is None:
         pytest.skip("tilelang missing: pip install -r requirements-test.txt (or `make venv`)")
-    script = tmp_path / "build.py"
-    script.write_text(_BUILD)
-    out = {}
-    for mode in ("par", "serial"):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
-        env.update(CUDA_VISIBLE_DEVICES="", TILELANG_CACHE_DIR=str(tmp_path / f"cache-{mode}"))
-        r = subproc.run([sys.executable, str(script), str(REPO), mode], env=env, cap=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        out[mode] = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["par"] == out["serial"] and len(set(out["par"])) == 3
+    sys.path.insert(0, str(REPO / "benchmarks" / "diag"))
+    import warmup_threads as diag
+    keys = ((2048, 24, 16, 1), (2048, 24, 64, 4), (4096, 24, 32, 16))
+    par, serial = diag.measure(3, keys), diag.measure(1, keys)
+    assert par["sha256"] == serial["sha256"] and len(set(par["sha256"])) == 3
 
 
 _EPILOGUE = r"""

@@ -50,17 +50,19 @@ print(json.dumps(dict(seconds=wall, sha256=[hashlib.sha256(s.encode()).hexdigest
 """
 
 
-def measure(workers: int) -> dict:
+def measure(workers: int, keys=KEYS) -> dict:
+    """Build ``keys`` (TcKey fields) for sm_80 in a fresh process with an empty TileLang cache:
+    one at a time (``workers`` 1) or through compile_tc_many; ``{seconds, sha256}``."""
     with tempfile.TemporaryDirectory(prefix="warmup-threads-") as d:
         script = Path(d) / "child.py"
         script.write_text(_CHILD)
         env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
         env.update(CUDA_VISIBLE_DEVICES="", TILELANG_CACHE_DIR=str(Path(d) / "cache"))
         r = subprocess.run([sys.executable, str(script), str(REPO), str(workers),
-                            json.dumps(KEYS)], env=env, capture_output=True, text=True,
+                            json.dumps(keys)], env=env, capture_output=True, text=True,
                            timeout=1800)
         if r.returncode != 0:
-            raise SystemExit(r.stderr[-3000:])
+            raise RuntimeError(r.stderr[-3000:])
         return json.loads(r.stdout.strip().splitlines()[-1])
 
 

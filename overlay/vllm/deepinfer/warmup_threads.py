@@ -23,9 +23,13 @@ par_compile on two workers, the same CUDA source per key (also tests/test_warmup
 """
 from __future__ import annotations
 
+import logging
 import os
 
 from vllm.deepinfer import routing
+
+logger = logging.getLogger("vllm.deepinfer")
+_LOGGED: list[bool] = []
 
 FEATURE = "warmup_threads"
 # At most this many builds at once per process. A tensor-parallel node warms one process per
@@ -41,4 +45,10 @@ def workers(n_keys: int, off: int = 1, cpus: int | None = None) -> int:
     if not routing.use(FEATURE):
         return max(1, min(off, n_keys))
     cpus = os.cpu_count() if cpus is None else cpus
-    return max(1, min(MAX_THREADS, cpus or 1, n_keys))
+    n = max(1, min(MAX_THREADS, cpus or 1, n_keys))
+    if not _LOGGED:
+        _LOGGED.append(True)
+        logger.info("deepinfer: warmup_threads: TileLang mHC warmup builds on up to %d workers "
+                    "(%d CPUs; DEEPINFER_WARMUP_THREADS=0 keeps upstream's counts)",
+                    min(MAX_THREADS, cpus or 1), cpus or 1)
+    return n

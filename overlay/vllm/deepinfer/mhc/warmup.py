@@ -107,7 +107,7 @@ def _tc_owner():
 
         def compile_many(self, compile_keys) -> None:
             from vllm.deepinfer import warmup_threads
-            keys = list(dict.fromkeys(compile_keys))
+            keys = list(compile_keys)
             kernels.compile_tc_many(keys, warmup_threads.workers(len(keys)))
 
     return MhcTcProjection()
