@@ -110,9 +110,11 @@ TRACE_ROWS = 512          # >= the largest grid: 256 slices + 3 CTAs x 32 tokens
 # scratch row of the workspace, one CTA barrier, then 25 scalar loads. The phase stamps at
 # b8745b3 put 1.7 us between the slices' release and the summed records and 3.3 us in the
 # coefficient chain (benchmarks/results/h200-2026-12-02-mhc-decode-phases-b8745b3.json); the
-# picks are part of both. Same values either way (the sum adds zeros to the one element);
-# the scratch form has not run on a GPU: benchmarks/diag/mhc_decode_phases.py --picks
-# compares the two.
+# picks are part of both. Same values either way (the sum adds zeros to the one element).
+# Measured on the H200 at 76ae0bd (benchmarks/diag/mhc_decode_phases.py --picks scratch,sum;
+# benchmarks/results/h200-2026-12-02-mhc-decode-phases-76ae0bd.json): scratch 0-0.43 us
+# faster per call in V4.1 (10.55 against 10.82 us at hidden 4096, T=12), within 0.07 us
+# either way in V4; on because it is never measurably slower.
 SCRATCH_PICKS = True
 
 
