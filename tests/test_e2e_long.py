@@ -588,3 +588,26 @@ def test_memory_trace_keeps_large_allocations_with_their_frames():
     assert got == [dict(mib=1024.0, freed=False, frames=[]),
                    dict(mib=512.0, freed=True,
                         frames=["model_executor/layers/sparse_attn_indexer.py:503 _prefill"])]
+
+
+def test_memory_trace_peak_lists_what_coexists_at_the_peak():
+    """The trace's activation peak: the bytes allocated inside the trace live at once, and
+    the large blocks live at that moment (a block freed before the peak is not among them)."""
+    mib = 2 ** 20
+    fr = [dict(filename="/site/vllm/deepinfer/kernels/indexer_logits.py", line=429,
+               name="_output")]
+    snap = {"device_traces": [[
+        dict(action="alloc", addr=1, size=512 * mib, frames=fr),
+        dict(action="free_completed", addr=1, size=512 * mib, frames=[]),
+        dict(action="alloc", addr=2, size=256 * mib, frames=[]),
+        dict(action="alloc", addr=3, size=300 * mib, frames=fr),
+        dict(action="alloc", addr=4, size=1 * mib, frames=[]),
+        dict(action="free_completed", addr=3, size=300 * mib, frames=[]),
+        dict(action="free_completed", addr=9, size=5 * mib, frames=[])]]}
+    import run_long
+    got = run_long.trace_peak(snap, 64)
+    assert got == dict(peak_mib=557.0, live_blocks=3,
+                       large=[dict(mib=300.0,
+                                   frames=["deepinfer/kernels/indexer_logits.py:429 _output"]),
+                              dict(mib=256.0, frames=[])])
+    assert run_long.trace_peak({"device_traces": [[]]}, 64) is None

@@ -262,7 +262,7 @@ def memory_budget(kv: dict, q: dict) -> dict:
                 over_budget_gib=device_peak - req / GIB,
                 profile_activation_gib=(b.get("peak_activation_memory") or 0) / GIB,
                 new_segments_mib=q.get("new_segments_mib"),
-                **({"memory_trace": q["memory_trace"]} if q.get("memory_trace") else {}))
+                **{k: q[k] for k in ("memory_trace", "memory_trace_peak") if q.get(k)})
 
 
 def _last_positions(ref: dict, n: int, first: int, count: int):

@@ -308,6 +308,46 @@ def trace_allocations(snapshot: dict, min_mib: float) -> list[dict]:
     return sorted(out, key=lambda a: -a["mib"])
 
 
+def _frames(e: dict) -> list[str]:
+    return [f"{'/'.join(f['filename'].split('/')[-3:])}:{f['line']} {f['name']}"
+            for f in e.get("frames", []) if "/torch/" not in f["filename"]][:MEMORY_TRACE_FRAMES]
+
+
+def trace_peak(snapshot: dict, min_mib: float) -> dict | None:
+    """The moment of the trace when the most bytes allocated inside it were live (blocks
+    allocated before the trace started, the KV cache and the weights, are not counted), and
+    the blocks of at least ``min_mib`` MiB live then, largest first, with their frames: what
+    coexists at the request's activation peak, which the profile run must have reserved."""
+    best = None
+    for trace in snapshot.get("device_traces", []):
+        live: dict = {}
+        total = peak = 0
+        at = None
+        for i, e in enumerate(trace):
+            act = e.get("action")
+            if act == "alloc":
+                live[e["addr"]] = e
+                total += e.get("size", 0)
+                if total > peak:
+                    peak, at = total, i
+            elif act == "free_completed" and e["addr"] in live:
+                total -= live.pop(e["addr"]).get("size", 0)
+        if at is None or (best is not None and peak <= best[0]):
+            continue
+        alive: dict = {}
+        for e in trace[:at + 1]:
+            if e.get("action") == "alloc":
+                alive[e["addr"]] = e
+            elif e.get("action") == "free_completed":
+                alive.pop(e["addr"], None)
+        big = sorted((e for e in alive.values() if e.get("size", 0) >= min_mib * 2 ** 20),
+                     key=lambda e: -e["size"])
+        best = (peak, dict(peak_mib=round(peak / 2 ** 20, 1), live_blocks=len(alive),
+                           large=[dict(mib=round(e["size"] / 2 ** 20, 1), frames=_frames(e))
+                                  for e in big]))
+    return None if best is None else best[1]
+
+
 def _segments() -> dict[int, int]:
     import torch
     return {s["address"]: s["total_size"] for s in torch.cuda.memory_snapshot()}
@@ -353,8 +393,9 @@ class _MemWindow:
                 self.figures["new_segments_mib"] = [round(x / 2 ** 20, 1)
                                                     for x in new[:LONG_NEW_SEGMENTS]]
             if self.trace_mib is not None:
-                self.figures["memory_trace"] = trace_allocations(
-                    torch.cuda.memory._snapshot(), self.trace_mib)
+                snap = torch.cuda.memory._snapshot()
+                self.figures["memory_trace"] = trace_allocations(snap, self.trace_mib)
+                self.figures["memory_trace_peak"] = trace_peak(snap, self.trace_mib)
                 torch.cuda.memory._record_memory_history(enabled=None)
         except Exception as e:  # noqa: BLE001 - a dead CUDA context: the error says why
             self.figures = dict(memory_error=f"{type(e).__name__}: {e}")
