@@ -611,3 +611,22 @@ def test_memory_trace_peak_lists_what_coexists_at_the_peak():
                                    frames=["deepinfer/kernels/indexer_logits.py:429 _output"]),
                               dict(mib=256.0, frames=[])])
     assert run_long.trace_peak({"device_traces": [[]]}, 64) is None
+
+
+def test_resident_blocks_group_what_stays_allocated_by_its_code():
+    """The resident memory after start-up, by allocating code: only allocated blocks count,
+    grouped by their innermost frames outside torch, small groups left out."""
+    mib = 2 ** 20
+    ws = [dict(filename="/site/vllm/v1/worker/workspace.py", line=90, name="_grow"),
+          dict(filename="/x/torch/cuda/memory.py", line=1, name="empty")]
+    snap = {"segments": [
+        dict(blocks=[dict(state="active_allocated", size=300 * mib, frames=ws),
+                     dict(state="inactive", size=900 * mib, frames=ws),
+                     dict(state="active_allocated", size=200 * mib, frames=ws)]),
+        dict(blocks=[dict(state="active_allocated", size=2048 * mib),
+                     dict(state="active_allocated", size=8 * mib,
+                          frames=[dict(filename="/a/b/c.py", line=3, name="f")])])]}
+    import run_long
+    got = run_long.resident_blocks(snap, 64)
+    assert got == [dict(mib=2048.0, count=1, frames=[]),
+                   dict(mib=500.0, count=2, frames=["v1/worker/workspace.py:90 _grow"])]

@@ -377,6 +377,8 @@ def main() -> int:
     # (v1/worker/gpu_worker.py determine_available_memory), so no lock is needed.
     gate = _EngineGate(enabled=args.kv_cache_gib is None)
     gate.acquire()
+    if args.task == "long":   # DEEPINFER_LONG_MEMORY_TRACE: frames of what stays resident
+        args.resident_trace = run_long.start_resident_trace()
     if args.kv_cache_gib is not None:
         eager_kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     llm = LLM(model=args.model, skip_tokenizer_init=not has_tok, language_model_only=True,

@@ -313,6 +313,55 @@ def _frames(e: dict) -> list[str]:
             for f in e.get("frames", []) if "/torch/" not in f["filename"]][:MEMORY_TRACE_FRAMES]
 
 
+def start_resident_trace() -> bool:
+    """DEEPINFER_LONG_MEMORY_TRACE set: record the allocator's history (Python frames) from
+    before the engine is built, so that ``resident_figures`` can say which code allocated
+    the memory that stays resident after start-up. Returns whether it started."""
+    if memory_trace_mib() is None:
+        return False
+    import torch
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    return True
+
+
+def resident_blocks(snapshot: dict, min_mib: float) -> list[dict]:
+    """The blocks allocated when the snapshot was taken, grouped by their innermost frames
+    outside torch (the allocation's code), largest total first: count and MiB per group,
+    groups under ``min_mib`` MiB in total left out. Blocks allocated before the history
+    started have no frames (group [])."""
+    groups: dict = {}
+    for seg in snapshot.get("segments", []):
+        for blk in seg.get("blocks", []):
+            if blk.get("state") != "active_allocated":
+                continue
+            key = tuple(_frames(blk)[:4])
+            g = groups.setdefault(key, [0, 0])
+            g[0] += 1
+            g[1] += blk.get("size", 0)
+    out = [dict(mib=round(b / 2 ** 20, 1), count=n, frames=list(k))
+           for k, (n, b) in groups.items() if b >= min_mib * 2 ** 20]
+    return sorted(out, key=lambda g: -g["mib"])
+
+
+def memory_checkpoint(resident_mib: float | None = None) -> dict:
+    """Torch's allocated and reserved memory and the memory outside torch's pool now (after
+    releasing the allocator's unused blocks); with ``resident_mib`` also the resident blocks
+    by allocating code (``resident_blocks``), after which the history recording stops."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    out = dict(allocated_gib=torch.cuda.memory_allocated() / GIB,
+               reserved_gib=torch.cuda.memory_reserved() / GIB,
+               outside_torch_gib=(total - free - torch.cuda.memory_reserved()) / GIB)
+    if resident_mib is not None:
+        try:
+            out["resident"] = resident_blocks(torch.cuda.memory._snapshot(), resident_mib)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    return out
+
+
 def trace_peak(snapshot: dict, min_mib: float) -> dict | None:
     """The moment of the trace when the most bytes allocated inside it were live (blocks
     allocated before the trace started, the KV cache and the weights, are not counted), and
@@ -517,6 +566,11 @@ def long_task(llm, vocab: int, args, result: dict, flush, profiler=None) -> None
     plan = long_plan(args.long_lens, args.b4_lens, args.agree_len, args.decode_tokens,
                      args.chunk)
     result.update(plan=plan, rows=[], complete=False, chunk=args.chunk)
+    try:   # what stays resident after start-up, against vLLM's accounting (kv figures)
+        result["memory_after_load"] = memory_checkpoint(
+            memory_trace_mib() if getattr(args, "resident_trace", False) else None)
+    except Exception as e:  # noqa: BLE001 - a diagnostic
+        result["memory_after_load"] = dict(error=f"{type(e).__name__}: {e}")
     flush()   # the load's figures (KV capacity) survive a run that dies in the warm-up
     t = time.perf_counter()
     prof = (profiler or StageProfiler)() if args.profile_len else None
@@ -533,6 +587,10 @@ def long_task(llm, vocab: int, args, result: dict, flush, profiler=None) -> None
         result["warmup_error"] = f"{type(e).__name__}: {e}"
         prof = None
     result["warmup_seconds"] = time.perf_counter() - t
+    try:
+        result["memory_after_warmup"] = memory_checkpoint()
+    except Exception as e:  # noqa: BLE001 - a diagnostic
+        result["memory_after_warmup"] = dict(error=f"{type(e).__name__}: {e}")
     flush()
     traced = False   # DEEPINFER_LONG_MEMORY_TRACE applies to the first timed request
     for req in plan:

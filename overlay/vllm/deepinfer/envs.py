@@ -154,7 +154,8 @@ VARIABLES: dict[str, str] = {
                                  "subprocesses tests wait on (tests/subproc.py)",
     "DEEPINFER_COMMIT": "benchmarks: the commit recorded in results when git cannot tell",
     "DEEPINFER_LONG_MEMORY_TRACE": "e2e long step: MiB; record allocations of at least that "
-                                   "size with their frames during the first timed request",
+                                   "size with their frames during the first timed request, "
+                                   "and the code of what stays resident after start-up",
     "DEEPINFER_SUITE_PART": "benchmarks: i/n runs the i-th of n slices of the "
                             "sparse_mla_prefill suite's full case list",
     "DEEPINFER_EMULATE_CAPABILITY": "test-only: vLLM sees this capability (e.g. 8.0) on any "
