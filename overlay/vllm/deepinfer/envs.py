@@ -126,7 +126,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     # warmup (vllm.deepinfer.warmup), so no request compiles them. The H200 nocompile run
     # (benchmarks/results/archive/h200-2026-12-01-e2e-4ab26c8.json, zero_compile rows) saw each
     # compile while serving. On everywhere: it changes no value, only when compiles happen.
-    Feature("serve_warmup", _ALL, "upstream ragged/candidate helpers unspecialized and warmed"),
+    # Also (vllm.deepinfer.bucket_warmup, patch 0027) DFlash/DSpark's prepare-inputs kernel,
+    # whose BLOCK_SIZE moves with the batch: a DSpark engine compiled two of its buckets while
+    # serving (benchmarks/results/h200-2026-12-02-e2e-spec-46a68f3.json, spec_zero_compile).
+    Feature("serve_warmup", _ALL,
+            "upstream ragged/candidate/dflash-prepare helpers unspecialized or warmed"),
     # vLLM's JIT warmup builds non-Triton owners one key at a time; TileLang's mHC owners took
     # about 97 of the 150.6 s warmup of an A100-faithful server on a fresh H200 machine
     # (vllm.deepinfer.warmup_threads). On, V4.1's mHC epilogue owner (patch 0032) and our
