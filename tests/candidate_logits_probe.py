@@ -31,6 +31,8 @@ def _setup():
     os.environ["DEEPINFER_ARCH"] = "sm80"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(BUILD))
+    import interp_dot   # one summation order per dot whatever the tile (tests/interp_dot.py)
+    interp_dot.patch(setattr)
     import torch
     import vllm
     vllm.__path__.insert(0, str(REPO / "overlay" / "vllm"))

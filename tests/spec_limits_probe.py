@@ -68,7 +68,8 @@ def smem_scan() -> dict:
                         variants=("sm80",), num_warps=warps)
         return int(compile_spec(spec, 80).metadata.shared)
 
-    prep = dfs._prepare_dflash_inputs_kernel
+    # patch 0027 wraps it (vllm.deepinfer.bucket_warmup): the JITFunction is .kernel
+    prep = getattr(dfs._prepare_dflash_inputs_kernel, "kernel", dfs._prepare_dflash_inputs_kernel)
     prep_t = {n: ("*i64" if n.endswith("_ptr") else "i32")
               for n in inspect.signature(prep.fn).parameters}
     prep_t.update({n: "constexpr" for n in ("SAMPLE_FROM_ANCHOR", "PAD_SLOT_ID", "CP_SIZE",

@@ -127,6 +127,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash import speculator as s
 from vllm.deepinfer import bucket_warmup as bw
 k = s._prepare_dflash_inputs_kernel
 print(json.dumps(dict(kind=type(k).__name__, param=k.param, inner=type(k.kernel).__name__,
+                      fn_is_kernel=k.fn is k.kernel,
                       names=k.arg_names, constexprs=k.constexprs,
                       buckets=k.buckets({"num_query_per_req": 5}))))
 '''
@@ -135,6 +136,6 @@ print(json.dumps(dict(kind=type(k).__name__, param=k.param, inner=type(k.kernel)
 def test_patched_vllm_wraps_the_dflash_prepare_kernel():
     got = patched_python.run_json(["-c", PROBE], env={})
     assert got["kind"] == "BucketWarmup" and got["param"] == "BLOCK_SIZE"
-    assert got["inner"] == "JITFunction"
+    assert got["inner"] == "JITFunction" and got["fn_is_kernel"]
     assert "num_query_per_req" in got["names"] and "BLOCK_SIZE" in got["constexprs"]
     assert got["buckets"] == [8, 16, 32, 64, 128, 256]

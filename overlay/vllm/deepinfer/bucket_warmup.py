@@ -60,11 +60,15 @@ def dflash_prepare_buckets(bound: dict[str, Any]) -> list[int]:
 class BucketWarmup:
     """A Triton kernel whose ``param`` constexpr is one of ``buckets(bound arguments)``:
     indexed by a grid it launches as the kernel does, and the first launch of each setting of
-    its other constexprs compiles the other buckets. Attribute reads go to the kernel."""
+    its other constexprs compiles the other buckets. ``fn`` is the kernel, as in Triton's own
+    wrappers; other attribute reads go to the kernel."""
 
     def __init__(self, kernel: Any, param: str,
                  buckets: Callable[[dict[str, Any]], Iterable[int]]):
         self.kernel = kernel
+        # Triton's wrappers (Autotuner, Heuristics) name their inner kernel ``fn``, and
+        # Triton unwraps ``.fn`` until it reaches the JITFunction (get_jit_fn_file_line).
+        self.fn = kernel
         self.param = param
         self.buckets = buckets
         self.warmed: set = set()
