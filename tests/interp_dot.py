@@ -2,8 +2,8 @@
 
 The interpreter runs ``tl.dot`` as numpy's matmul, and numpy's OpenBLAS picks its kernels
 by CPU and by matrix shape: on an AVX2 machine (OpenBLAS core "Haswell") the same row and
-column sum in a different order in a 16 x 8 product than in a 16 x 64 one, a few ulps
-apart, while the SSE3 kernels ("Prescott") sum them alike. A GPU's MMA sums each element in
+column can sum in a different order in products of different shapes, a few ulps apart (the
+candidate-logits tests failed so), while with the SSE3 kernels ("Prescott") they passed. A GPU's MMA sums each element in
 the same order whatever the tile. Tests that compare two kernels tiling the same dot
 differently bit for bit (the candidate-only indexer logits against the full kernel masked,
 tests/test_candidate_logits.py) therefore patch the interpreter's dot with this one: fp32
