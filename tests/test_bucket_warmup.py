@@ -139,3 +139,35 @@ def test_patched_vllm_wraps_the_dflash_prepare_kernel():
     assert got["inner"] == "JITFunction" and got["fn_is_kernel"]
     assert "num_query_per_req" in got["names"] and "BLOCK_SIZE" in got["constexprs"]
     assert got["buckets"] == [8, 16, 32, 64, 128, 256]
+
+
+def test_a_failed_warmup_leaves_the_launch_and_is_logged(monkeypatch, caplog):
+    """A bucket that fails to compile at the first launch does not fail that launch (it ran
+    already): a warning names the kernel, and the buckets compile on demand later."""
+    monkeypatch.delenv("DEEPINFER_SERVE_WARMUP", raising=False)
+    k = FakeKernel()
+
+    def boom(*a, grid, **kw):
+        raise RuntimeError("ptxas died")
+    k.warmup = boom
+    w = bw.BucketWarmup(k, "BLOCK", lambda b: [1, 2])
+    with caplog.at_level("WARNING", logger="vllm.deepinfer"):
+        w[(1,)]("p", 1, MODE=0, BLOCK=1)
+    assert [c[0] for c in k.calls] == ["launch"]
+    assert "fake_kernel" in caplog.text and "ptxas died" in caplog.text
+
+
+def test_warmed_launches_skip_the_switch_and_the_binding(monkeypatch):
+    """Once a setting is warmed, later launches (one per draft step) only form the key: the
+    feature switch is not read again."""
+    monkeypatch.delenv("DEEPINFER_SERVE_WARMUP", raising=False)
+    k = FakeKernel()
+    w = bw.BucketWarmup(k, "BLOCK", lambda b: [1, 2])
+    w[(1,)]("p", 1, MODE=0, BLOCK=1)
+    from vllm.deepinfer import envs
+
+    def no_env(*a, **kw):
+        raise AssertionError("the switch was read on a warmed launch")
+    monkeypatch.setattr(envs, "enabled", no_env)
+    w[(1,)]("p", 3, 0, 2)                      # positional constexprs: the same key
+    assert [c[0] for c in k.calls] == ["launch", "warmup", "launch"]

@@ -33,10 +33,8 @@ def trace_allocations(snapshot: dict, min_mib: float) -> list[dict]:
         for e in trace:
             if e.get("action") != "alloc" or e.get("size", 0) < min_mib * 2 ** 20:
                 continue
-            frames = [f"{'/'.join(f['filename'].split('/')[-3:])}:{f['line']} {f['name']}"
-                      for f in e.get("frames", []) if "/torch/" not in f["filename"]]
             out.append(dict(mib=round(e["size"] / 2 ** 20, 1), freed=e["addr"] in freed,
-                            frames=frames[:MEMORY_TRACE_FRAMES]))
+                            frames=_frames(e)))
     return sorted(out, key=lambda a: -a["mib"])
 
 

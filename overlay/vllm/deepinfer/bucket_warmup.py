@@ -78,6 +78,9 @@ class BucketWarmup:
                              f"argument {param!r}")
         self.arg_names = names
         self.constexprs = [names[i] for i in getattr(kernel, "constexprs", ())]
+        # The other constexprs, by name and position: a launch's key, read without binding
+        # every argument (this runs on every launch of a per-step kernel).
+        self._others = [(n, names.index(n)) for n in self.constexprs if n != param]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.kernel, name)
@@ -96,21 +99,32 @@ class BucketWarmup:
         bound.update(kwargs)
         return bound
 
+    def _key(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+        return tuple(repr(kwargs[n] if n in kwargs else args[i] if i < len(args) else None)
+                     for n, i in self._others)
+
     def _warm(self, grid, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        from vllm.deepinfer import envs
-        if not envs.enabled(FEATURE):
+        key = self._key(args, kwargs)
+        if key in self.warmed:
             return
-        bound = self._bound(args, kwargs)
-        key = tuple((n, repr(bound.get(n))) for n in self.constexprs if n != self.param)
-        if key in self.warmed or _capturing():
+        from vllm.deepinfer import envs
+        if not envs.enabled(FEATURE) or _capturing():
             return
         self.warmed.add(key)
+        bound = self._bound(args, kwargs)
         own = bound.get(self.param)
         todo = [b for b in self.buckets(bound) if b != own]
-        for b in todo:
-            self.kernel.warmup(*args, grid=grid, **{**kwargs, self.param: b})
+        name = getattr(self.kernel, "__name__", "kernel")
+        try:
+            for b in todo:
+                self.kernel.warmup(*args, grid=grid, **{**kwargs, self.param: b})
+        except Exception as e:  # noqa: BLE001 - the launch ran; a bucket compiles on demand
+            logger.warning("deepinfer: compiling the other %s buckets of %s failed (%s: %s); "
+                           "they compile when first launched", self.param, name,
+                           type(e).__name__, e)
+            return
         logger.info("deepinfer: compiled %s=%s of %s at its first launch (%s ran it)",
-                    self.param, todo, getattr(self.kernel, "__name__", "kernel"), own)
+                    self.param, todo, name, own)
 
 
 def _capturing() -> bool:
