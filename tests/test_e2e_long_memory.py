@@ -68,3 +68,67 @@ def test_resident_blocks_group_what_stays_allocated_by_its_code():
     got = run_long.resident_blocks(snap, 64)
     assert got == [dict(mib=2048.0, count=1, frames=[]),
                    dict(mib=500.0, count=2, frames=["v1/worker/workspace.py:90 _grow"])]
+
+
+def test_resident_trace_switch_and_its_default(monkeypatch):
+    """DEEPINFER_LONG_RESIDENT_TRACE alone traces start-up only (the timed requests stay
+    untraced); DEEPINFER_LONG_MEMORY_TRACE implies it; a value that is not a size is refused
+    with the variable's name."""
+    import pytest
+    import long_memory as lm
+    monkeypatch.delenv(lm.MEMORY_TRACE_ENV, raising=False)
+    monkeypatch.delenv(lm.RESIDENT_TRACE_ENV, raising=False)
+    assert lm.resident_trace_mib() is None and lm.memory_trace_mib() is None
+    monkeypatch.setenv(lm.RESIDENT_TRACE_ENV, "32")
+    assert lm.resident_trace_mib() == 32.0 and lm.memory_trace_mib() is None
+    monkeypatch.delenv(lm.RESIDENT_TRACE_ENV)
+    monkeypatch.setenv(lm.MEMORY_TRACE_ENV, "64")
+    assert lm.resident_trace_mib() == 64.0
+    monkeypatch.setenv(lm.RESIDENT_TRACE_ENV, "lots")
+    with pytest.raises(SystemExit, match=lm.RESIDENT_TRACE_ENV):
+        lm.resident_trace_mib()
+
+
+def _run(after_load, after_warmup, init=None):
+    gib = 1 << 30
+    budget = dict(requested_memory=100 * gib, total_consumed=8 * gib,
+                  peak_activation_memory=2 * gib)
+    if init is not None:
+        budget["init_used_memory"] = init * gib
+    return dict(kv=dict(worker=dict(budget=budget,
+                                    available_kv_cache_memory_bytes=90 * gib)),
+                memory_after_load=after_load, memory_after_warmup=after_warmup)
+
+
+def test_checkpoint_rows_set_resident_memory_against_vllms_accounting():
+    """kernel="long_memory_checkpoint": torch allocated + outside torch against the device's
+    use at vLLM's first reading + total_consumed + KV bytes, at both checkpoints; a failed
+    checkpoint gives no row."""
+    import long_step
+    load = dict(allocated_gib=97.5, reserved_gib=98.0, outside_torch_gib=1.0,
+                resident=[dict(mib=512.0, count=1, frames=["a.py:1 f"])])
+    rows = long_step.memory_checkpoint_rows("v41-long", "a100", "eager",
+                                            _run(load, dict(error="x"), init=0.5))
+    assert len(rows) == 1
+    (r,) = rows
+    assert r["kernel"] == "long_memory_checkpoint" and r["shape"]["at"] == "after_load"
+    assert r["vllm_expected_gib"] == 98.5 and r["resident_gib"] == 98.5
+    assert r["resident_over_gib"] == 0.0 and r["init_used_gib"] == 0.5
+    assert r["resident"] == load["resident"]
+    warm = dict(allocated_gib=98.5, reserved_gib=99.0, outside_torch_gib=1.0)
+    rows = long_step.memory_checkpoint_rows("v41-long", "a100", "eager", _run(load, warm))
+    assert [r["shape"]["at"] for r in rows] == ["after_load", "after_warmup"]
+    # without the first reading (older engines) the expectation counts from zero
+    assert rows[1]["vllm_expected_gib"] == 98.0 and rows[1]["resident_over_gib"] == 1.5
+
+
+def test_budget_separates_what_preceded_vllms_first_reading():
+    """The device peak against the budget, with and without what the device held before
+    vLLM's first reading (its budget, total x gpu_memory_utilization, excludes it)."""
+    import long_step
+    kv = _run(None, None, init=0.75)["kv"]
+    q = dict(peak_reserved_gib=99.0, outside_torch_gib=2.0)
+    got = long_step.memory_budget(kv, q)
+    assert got["over_budget_gib"] == 1.0 and got["init_used_gib"] == 0.75
+    assert got["over_budget_after_init_gib"] == 0.25
+    assert long_step.memory_budget(_run(None, None)["kv"], q)["over_budget_after_init_gib"] is None

@@ -654,6 +654,12 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
                      else f"failed: {row['error']}"))
         elif k.startswith("spec_"):
             print(spec_line(row))
+        elif k == "long_memory_checkpoint":
+            s, over = row["shape"], row.get("resident_over_gib")
+            print(f"  {s['model']} {row['variant']:9s} resident {s['at']:12s} "
+                  f"{row['resident_gib']:.2f} GiB, vLLM's accounting "
+                  f"{_fmt(row.get('vllm_expected_gib'), '.2f')} GiB, over "
+                  f"{_fmt(over, '+.2f')} GiB")
         else:
             print(f"  audit {row['shape']['model']}: {row['triton_kernels']} Triton kernels, "
                   f"{row['cuda_ops']} ops, failed: {row['failed'] or 'none'}")

@@ -14,13 +14,35 @@ LONG_NEW_SEGMENTS = 8
 # allocation of at least that many MiB with the frames that made it ("memory_trace"): which
 # code allocates past the budget. Off by default (it slows the request).
 MEMORY_TRACE_ENV = "DEEPINFER_LONG_MEMORY_TRACE"
+# DEEPINFER_LONG_RESIDENT_TRACE=<MiB>: record the history from before the engine is built
+# until the warm-up requests end, not during the timed requests (their TTFTs stay
+# unperturbed), and name the code of each resident block group of at least that many MiB
+# after load and after the warm-up. DEEPINFER_LONG_MEMORY_TRACE implies it.
+RESIDENT_TRACE_ENV = "DEEPINFER_LONG_RESIDENT_TRACE"
 MEMORY_TRACE_FRAMES = 8
 
 
-def memory_trace_mib() -> float | None:
+def _env_mib(name: str) -> float | None:
     import os
-    v = os.environ.get(MEMORY_TRACE_ENV, "").strip()
-    return float(v) if v else None
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise SystemExit(f"{name}={v!r}: expected a size in MiB (e.g. 64)") from None
+
+
+def memory_trace_mib() -> float | None:
+    """DEEPINFER_LONG_MEMORY_TRACE in MiB: trace the first timed request (None: off)."""
+    return _env_mib(MEMORY_TRACE_ENV)
+
+
+def resident_trace_mib() -> float | None:
+    """The smallest resident group to name from the start-up trace: DEEPINFER_LONG_RESIDENT_TRACE,
+    else DEEPINFER_LONG_MEMORY_TRACE (None: no start-up trace)."""
+    v = _env_mib(RESIDENT_TRACE_ENV)
+    return v if v is not None else memory_trace_mib()
 
 
 def trace_allocations(snapshot: dict, min_mib: float) -> list[dict]:
@@ -44,10 +66,11 @@ def _frames(e: dict) -> list[str]:
 
 
 def start_resident_trace() -> bool:
-    """DEEPINFER_LONG_MEMORY_TRACE set: record the allocator's history (Python frames) from
-    before the engine is built, so that ``resident_figures`` can say which code allocated
-    the memory that stays resident after start-up. Returns whether it started."""
-    if memory_trace_mib() is None:
+    """DEEPINFER_LONG_RESIDENT_TRACE or DEEPINFER_LONG_MEMORY_TRACE set: record the
+    allocator's history (Python frames) from before the engine is built, so that
+    ``memory_checkpoint`` can say which code allocated the memory that stays resident after
+    start-up. Returns whether it started."""
+    if resident_trace_mib() is None:
         return False
     import torch
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
@@ -73,10 +96,11 @@ def resident_blocks(snapshot: dict, min_mib: float) -> list[dict]:
     return sorted(out, key=lambda g: -g["mib"])
 
 
-def memory_checkpoint(resident_mib: float | None = None) -> dict:
+def memory_checkpoint(resident_mib: float | None = None, stop: bool = True) -> dict:
     """Torch's allocated and reserved memory and the memory outside torch's pool now (after
     releasing the allocator's unused blocks); with ``resident_mib`` also the resident blocks
-    by allocating code (``resident_blocks``), after which the history recording stops."""
+    by allocating code (``resident_blocks``), after which the history recording stops unless
+    ``stop`` is False (a later checkpoint takes it on)."""
     import torch
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -88,7 +112,8 @@ def memory_checkpoint(resident_mib: float | None = None) -> dict:
         try:
             out["resident"] = resident_blocks(torch.cuda.memory._snapshot(), resident_mib)
         finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            if stop:
+                torch.cuda.memory._record_memory_history(enabled=None)
     return out
 
 

@@ -243,6 +243,39 @@ def long_rows(runs: dict) -> list[dict]:
                              seconds=idle, share=(idle / st["wall_s"]) if idle is not None
                              and st.get("wall_s") else None, **sc,
                              what="wall time with no kernel running (host gaps)"))
+        rows += memory_checkpoint_rows(name, mode, form, r)
+    return rows
+
+
+def memory_checkpoint_rows(name: str, mode: str, form: str, r: dict) -> list[dict]:
+    """Rows kernel="long_memory_checkpoint": what was resident after the engine was built and
+    after the warm-up requests (torch's allocations plus the memory outside its pool) against
+    what vLLM's accounting left resident (what the device held at its first reading, plus
+    total_consumed after its profile run, plus the KV cache it sized); resident_over_gib > 0
+    is memory that became resident after the profile run. With the start-up trace (DEEPINFER_LONG_RESIDENT_TRACE) also the resident blocks by
+    allocating code."""
+    b = ((r.get("kv") or {}).get("worker") or {}).get("budget") or {}
+    kv_bytes = ((r.get("kv") or {}).get("worker") or {}).get("available_kv_cache_memory_bytes")
+    expected = (None if b.get("total_consumed") is None or kv_bytes is None
+                else (b["total_consumed"] + kv_bytes + (b.get("init_used_memory") or 0)) / GIB)
+    rows = []
+    for at in ("after_load", "after_warmup"):
+        m = r.get(f"memory_{at}")
+        if not m or "allocated_gib" not in m:
+            continue
+        held = m["allocated_gib"] + m["outside_torch_gib"]
+        rows.append(dict(kernel="long_memory_checkpoint", variant=mode,
+                         shape=dict(model=name, at=at, cuda_graphs=form == "graphs"),
+                         allocated_gib=m["allocated_gib"], reserved_gib=m["reserved_gib"],
+                         outside_torch_gib=m["outside_torch_gib"], resident_gib=held,
+                         vllm_expected_gib=expected,
+                         resident_over_gib=None if expected is None else held - expected,
+                         resident=m.get("resident"),
+                         init_used_gib=None if b.get("init_used_memory") is None
+                         else b["init_used_memory"] / GIB,
+                         what="torch allocated + memory outside torch's pool, against the "
+                              "device's use at vLLM's first reading + total_consumed + KV "
+                              "cache bytes"))
     return rows
 
 
@@ -258,8 +291,13 @@ def memory_budget(kv: dict, q: dict) -> dict:
     if req is None or peak is None or outside is None:
         return {}
     device_peak = peak + outside
+    init = b.get("init_used_memory")
     return dict(budget_gib=req / GIB, device_peak_gib=device_peak,
                 over_budget_gib=device_peak - req / GIB,
+                # what was on the device before vLLM's first reading, outside its budget
+                init_used_gib=None if init is None else init / GIB,
+                over_budget_after_init_gib=None if init is None
+                else device_peak - (req + init) / GIB,
                 profile_activation_gib=(b.get("peak_activation_memory") or 0) / GIB,
                 new_segments_mib=q.get("new_segments_mib"),
                 **{k: q[k] for k in ("memory_trace", "memory_trace_peak") if q.get(k)})

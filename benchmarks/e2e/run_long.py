@@ -14,7 +14,8 @@ import time
 
 from long_memory import (  # noqa: F401 - names of this module before the split
     LONG_NEW_SEGMENTS, MEMORY_TRACE_ENV, MEMORY_TRACE_FRAMES, _MemWindow, _frames, _segments,
-    memory_checkpoint, memory_trace_mib, resident_blocks, start_resident_trace,
+    memory_checkpoint, memory_trace_mib, resident_blocks, resident_trace_mib,
+    start_resident_trace,
     trace_allocations, trace_peak)
 from run_common import agree_rows, prompts
 
@@ -330,6 +331,13 @@ def _kv_worker_figures(worker) -> dict:
     budget = {k: getattr(worker, k, None) for k in (
         "requested_memory", "total_consumed", "peak_activation_memory",
         "cudagraph_memory_estimate")}
+    # What the device held when vLLM took its first reading (the CUDA context and NCCL of
+    # this process, anything else on the GPU): vLLM's total_consumed counts from there, and
+    # gpu_memory_utilization x total does not include it.
+    snap = getattr(worker, "init_snapshot", None)
+    if snap is not None:
+        budget.update(init_used_memory=snap.total_memory - snap.free_memory,
+                      init_torch_memory=getattr(snap, "torch_memory", None))
     return dict(available_kv_cache_memory_bytes=getattr(
         worker, "available_kv_cache_memory_bytes", None), budget=budget,
         num_blocks=cfg.num_blocks,
@@ -393,9 +401,11 @@ def long_task(llm, vocab: int, args, result: dict, flush, profiler=None) -> None
     plan = long_plan(args.long_lens, args.b4_lens, args.agree_len, args.decode_tokens,
                      args.chunk)
     result.update(plan=plan, rows=[], complete=False, chunk=args.chunk)
-    try:   # what stays resident after start-up, against vLLM's accounting (kv figures)
-        result["memory_after_load"] = memory_checkpoint(
-            memory_trace_mib() if getattr(args, "resident_trace", False) else None)
+    # What stays resident after start-up, against vLLM's accounting (kv figures); with the
+    # start-up trace on, the history runs on through the warm-up requests.
+    resident = resident_trace_mib() if getattr(args, "resident_trace", False) else None
+    try:
+        result["memory_after_load"] = memory_checkpoint(resident, stop=False)
     except Exception as e:  # noqa: BLE001 - a diagnostic
         result["memory_after_load"] = dict(error=f"{type(e).__name__}: {e}")
     flush()   # the load's figures (KV capacity) survive a run that dies in the warm-up
@@ -415,9 +425,12 @@ def long_task(llm, vocab: int, args, result: dict, flush, profiler=None) -> None
         prof = None
     result["warmup_seconds"] = time.perf_counter() - t
     try:
-        result["memory_after_warmup"] = memory_checkpoint()
+        result["memory_after_warmup"] = memory_checkpoint(resident)
     except Exception as e:  # noqa: BLE001 - a diagnostic
         result["memory_after_warmup"] = dict(error=f"{type(e).__name__}: {e}")
+        if resident is not None:   # the timed requests must not run under the recording
+            import torch
+            torch.cuda.memory._record_memory_history(enabled=None)
     flush()
     traced = False   # DEEPINFER_LONG_MEMORY_TRACE applies to the first timed request
     for req in plan:
