@@ -160,6 +160,9 @@ VARIABLES: dict[str, str] = {
     "DEEPINFER_LONG_MEMORY_TRACE": "e2e long step: MiB; record allocations of at least that "
                                    "size with their frames during the first timed request, "
                                    "and the code of what stays resident after start-up",
+    "DEEPINFER_LONG_RESIDENT_TRACE": "e2e long step: MiB; record the allocator's history from "
+                                     "engine start to the end of the warm-up requests only and "
+                                     "name the code of resident groups of at least that size",
     "DEEPINFER_SUITE_PART": "benchmarks: i/n runs the i-th of n slices of the "
                             "sparse_mla_prefill suite's full case list",
     "DEEPINFER_EMULATE_CAPABILITY": "test-only: vLLM sees this capability (e.g. 8.0) on any "
