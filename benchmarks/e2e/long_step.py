@@ -252,12 +252,14 @@ def memory_checkpoint_rows(name: str, mode: str, form: str, r: dict) -> list[dic
     after the warm-up requests (torch's allocations plus the memory outside its pool) against
     what vLLM's accounting left resident (what the device held at its first reading, plus
     total_consumed after its profile run, plus the KV cache it sized); resident_over_gib > 0
-    is memory that became resident after the profile run. With the start-up trace (DEEPINFER_LONG_RESIDENT_TRACE) also the resident blocks by
-    allocating code."""
-    b = ((r.get("kv") or {}).get("worker") or {}).get("budget") or {}
-    kv_bytes = ((r.get("kv") or {}).get("worker") or {}).get("available_kv_cache_memory_bytes")
+    is memory that became resident after the profile run. With the start-up trace
+    (DEEPINFER_LONG_RESIDENT_TRACE) also the resident blocks by allocating code."""
+    worker = (r.get("kv") or {}).get("worker") or {}
+    b = worker.get("budget") or {}
+    kv_bytes = worker.get("available_kv_cache_memory_bytes")
+    init = b.get("init_used_memory")
     expected = (None if b.get("total_consumed") is None or kv_bytes is None
-                else (b["total_consumed"] + kv_bytes + (b.get("init_used_memory") or 0)) / GIB)
+                else (b["total_consumed"] + kv_bytes + (init or 0)) / GIB)
     rows = []
     for at in ("after_load", "after_warmup"):
         m = r.get(f"memory_{at}")
@@ -271,8 +273,7 @@ def memory_checkpoint_rows(name: str, mode: str, form: str, r: dict) -> list[dic
                          vllm_expected_gib=expected,
                          resident_over_gib=None if expected is None else held - expected,
                          resident=m.get("resident"),
-                         init_used_gib=None if b.get("init_used_memory") is None
-                         else b["init_used_memory"] / GIB,
+                         init_used_gib=None if init is None else init / GIB,
                          what="torch allocated + memory outside torch's pool, against the "
                               "device's use at vLLM's first reading + total_consumed + KV "
                               "cache bytes"))
