@@ -56,11 +56,12 @@ SPEC_KV_GIB = 4.0   # fixed KV cache: no memory-profiling comparison, no start-u
 # --quick takes ~20 s off the work. Graphs: the DSpark graphs engine of
 # benchmarks/results/h200-2026-12-02-e2e-spec-3e2842d.json took 361 s with --quick (engine
 # init 275 s: torch.compile, vLLM's JIT warmup, capture), so 380 less the quick saving.
-# nocompile, --quick, one engine at a time on one machine at 5efd4ba
-# (benchmarks/results/h200-2026-12-02-e2e-spec-5efd4ba.json, the step's own engine times):
-# V4.1 DSpark 475 s on the fresh machine, then its plain engine 73 s, V4 DSpark 239 s (V4's
-# kernels still cold), V4 MTP 81 s; 150 is the warm-cache figure, so a fresh machine's first
-# engine needs a device call of its own.
+# nocompile, --quick, one engine at a time on one machine at 5efd4ba: engine construction
+# (load_seconds of the spec_zero_compile rows of
+# benchmarks/results/h200-2026-12-02-e2e-spec-5efd4ba.json, vLLM's JIT warmup included)
+# 263 s for V4.1 DSpark on the fresh machine, 144 s for V4 DSpark (V4's kernels still cold),
+# 49 s for V4 MTP after it; the engine process adds the rule prompts and the decode windows.
+# 150 is a warm-cache figure, so a fresh machine's first engine needs a device call of its own.
 ENGINE_S = {"eager": 90, "graphs": 380, "nocompile": 150}
 QUICK_SAVES_S = 20
 # The limit of one engine process (a stuck engine must not eat the GPU call). nocompile: at
