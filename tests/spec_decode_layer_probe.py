@@ -222,6 +222,23 @@ def main() -> int:
     return 0
 
 
+def hide_gpus_for_cpu_run(argv, environ) -> None:
+    """The CPU run hides every GPU (``CUDA_VISIBLE_DEVICES=""``: vllm.triton_utils would
+    otherwise swap in its placeholder Triton where no driver loads), unless the caller set
+    the variable. A ``--device cuda`` run leaves the GPUs visible: its caller
+    (tests/test_spec_decode_layer.py) drops the variable for it, and hiding them here made
+    every gpu case fail with "No CUDA GPUs are available" on the H200 at baa82d6
+    (benchmarks/results/h200-2026-12-03-gpu-tests-baa82d6.json)."""
+    device = "cpu"
+    for i, arg in enumerate(argv):
+        if arg == "--device" and i + 1 < len(argv):
+            device = argv[i + 1]
+        elif arg.startswith("--device="):
+            device = arg.split("=", 1)[1]
+    if device == "cpu":
+        environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+
 if __name__ == "__main__":
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    hide_gpus_for_cpu_run(sys.argv[1:], os.environ)
     sys.exit(main())

@@ -225,6 +225,22 @@ def test_probe_stays_short(cpu):
     assert cpu["_seconds"] < 150, cpu["_seconds"]
 
 
+@pytest.mark.parametrize("argv, env, hidden", [
+    ([], {}, ""),
+    (["--device", "cpu"], {}, ""),
+    (["--device", "cuda", "--real"], {}, None),
+    (["--device=cuda"], {}, None),
+    (["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": "1"}, "1"),
+    ([], {"CUDA_VISIBLE_DEVICES": "0"}, "0"),
+])
+def test_probe_hides_gpus_only_for_the_cpu_run(argv, env, hidden):
+    # The gpu cases' probe must see the GPU its caller leaves visible.
+    sys.path.insert(0, str(PROBE.parent))
+    from spec_decode_layer_probe import hide_gpus_for_cpu_run
+    hide_gpus_for_cpu_run(argv, env)
+    assert env.get("CUDA_VISIBLE_DEVICES") == hidden
+
+
 # --------------------------------------------------------------------------- GPU
 @pytest.fixture(scope="module", params=["gpu-sm80", "gpu"])
 def gpu(request, device):
