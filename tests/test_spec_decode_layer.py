@@ -41,6 +41,12 @@ PROBE = Path(__file__).with_name("spec_decode_layer_probe.py")
 FORWARD_TOL = 1e-2
 # Indexer logits against plain torch, relative to each row's largest (fp32 summation order).
 LOGITS_TOL = 1e-5
+# The same on the native Hopper kind ("gpu"): there the logits are DeepGEMM's
+# fp8_fp4_paged_mqa_logits (our indexer_logits feature is on for Ampere and sm89 only), an
+# fp8 tensor-core product whose error is not fp32 summation order: 2.4e-4 of the row's
+# largest at v4/indexer_native_k1 on the H200 at f895c39
+# (benchmarks/results/h200-2026-12-03-gpu-tests-f895c39.json), four times under this bound.
+DEEPGEMM_LOGITS_TOL = 1e-3
 WINDOW = 128
 VERIFY = {"v4/mtp_k1": 1, "v4/dspark_k5_verify": 5, "v41/dspark_k5_verify": 5}
 DRAFTS = {"v4/dspark_draft_k5": ("deepseek_v4", 1), "v41/dspark_draft_k5": ("deepseek_v41", 0)}
@@ -167,7 +173,8 @@ def check_layout(res: dict, key: str, ampere: bool = True) -> None:
     assert sorted(r["layers"]) == (["2", "3"] if v41 else ["1"])
     for i, layer in r["layers"].items():
         assert layer["length_mismatch"] == [], (key, i)
-        assert layer["logits_err_vs_row_max"] <= LOGITS_TOL, (key, i, layer)
+        tol = LOGITS_TOL if ampere else DEEPGEMM_LOGITS_TOL
+        assert layer["logits_err_vs_row_max"] <= tol, (key, i, layer)
         assert layer["finite_where_expected"] is True, (key, i)
         assert layer["topk_is_the_rows_topk"] is True, (key, i)
         assert layer["topk_within_candidates"] is True, (key, i)
