@@ -132,3 +132,39 @@ def test_budget_separates_what_preceded_vllms_first_reading():
     assert got["over_budget_gib"] == 1.0 and got["init_used_gib"] == 0.75
     assert got["over_budget_after_init_gib"] == 0.25
     assert long_step.memory_budget(_run(None, None)["kv"], q)["over_budget_after_init_gib"] is None
+
+
+def test_stack_limit_is_read_from_the_driver_and_sized_for_every_resident_thread():
+    """long_memory.stack_limit_bytes asks cuCtxGetLimit for CU_LIMIT_STACK_SIZE; a missing
+    driver or a failing call gives None, never an exception; the estimate backs the limit for
+    every thread the device holds."""
+    import ctypes
+
+    import long_memory
+
+    class Lib:
+        def __init__(self, value, rc=0):
+            self.value, self.rc, self.asked = value, rc, None
+
+        def cuCtxGetLimit(self, ptr, limit):
+            self.asked = limit
+            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_size_t))[0] = self.value
+            return self.rc
+
+    lib = Lib(9216)
+    assert long_memory.stack_limit_bytes(lib) == 9216 and lib.asked == 0
+    assert long_memory.stack_limit_bytes(Lib(9216, rc=201)) is None  # CUDA_ERROR_INVALID_CONTEXT
+    assert long_memory.stack_limit_bytes(object()) is None           # no such symbol
+    f = long_memory.local_memory_figures(9216, 132, 2048)
+    assert f["stack_limit_bytes"] == 9216
+    assert abs(f["local_memory_estimate_gib"] - 9216 * 2048 * 132 / 2**30) < 1e-12
+    assert long_memory.local_memory_figures(None, 132, 2048)["local_memory_estimate_gib"] is None
+    assert long_memory.local_memory_figures(1024, 132, None)["local_memory_estimate_gib"] is None
+
+
+def test_checkpoint_rows_carry_the_stack_limit():
+    import long_step
+    load = dict(allocated_gib=97.5, reserved_gib=98.0, outside_torch_gib=1.0,
+                stack_limit_bytes=1024, local_memory_estimate_gib=0.26)
+    (r,) = long_step.memory_checkpoint_rows("v4-long", "a100", "eager", _run(load, None))
+    assert r["stack_limit_bytes"] == 1024 and r["local_memory_estimate_gib"] == 0.26

@@ -659,7 +659,9 @@ def write_results(args, work: Path, outs, tput_outs, not_done=()) -> None:
             print(f"  {s['model']} {row['variant']:9s} resident {s['at']:12s} "
                   f"{row['resident_gib']:.2f} GiB, vLLM's accounting "
                   f"{_fmt(row.get('vllm_expected_gib'), '.2f')} GiB, over "
-                  f"{_fmt(over, '+.2f')} GiB")
+                  f"{_fmt(over, '+.2f')} GiB, outside torch {row['outside_torch_gib']:.2f} GiB"
+                  + (f", stack limit {row['stack_limit_bytes']} B"
+                     if row.get("stack_limit_bytes") is not None else ""))
         else:
             print(f"  audit {row['shape']['model']}: {row['triton_kernels']} Triton kernels, "
                   f"{row['cuda_ops']} ops, failed: {row['failed'] or 'none'}")

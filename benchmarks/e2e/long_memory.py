@@ -96,6 +96,38 @@ def resident_blocks(snapshot: dict, min_mib: float) -> list[dict]:
     return sorted(out, key=lambda g: -g["mib"])
 
 
+# CU_LIMIT_STACK_SIZE of the CUDA driver API (cuda.h: CUlimit, 0x00).
+_CU_LIMIT_STACK_SIZE = 0
+
+
+def stack_limit_bytes(lib=None) -> int | None:
+    """The current context's per-thread stack limit (cuCtxGetLimit(CU_LIMIT_STACK_SIZE)),
+    None where the driver library or the call is unavailable. The driver raises this limit for
+    a launch whose kernel needs more local memory than it allows and never lowers it again,
+    and it backs the limit for every thread the device can hold: memory outside torch's pool
+    that grows while serving (V4 at baa82d6: 2.45 GiB during the warm-up requests, both
+    modes, benchmarks/results/h200-2026-12-03-e2e-long-baa82d6.json) is this reservation
+    when the limit grew with it. ``lib``: a stand-in for libcuda in tests."""
+    import ctypes
+    try:
+        lib = lib or ctypes.CDLL("libcuda.so.1")
+        size = ctypes.c_size_t(0)
+        rc = lib.cuCtxGetLimit(ctypes.byref(size), _CU_LIMIT_STACK_SIZE)
+    except (OSError, AttributeError):
+        return None
+    return int(size.value) if rc == 0 else None
+
+
+def local_memory_figures(stack: int | None, sms: int, threads_per_sm: int) -> dict:
+    """The stack limit and what backing it for every resident thread takes
+    (limit x threads per SM x SMs, GiB): an estimate of the driver's local-memory
+    reservation, to set beside the memory outside torch's pool."""
+    if stack is None or not sms or not threads_per_sm:
+        return dict(stack_limit_bytes=stack, local_memory_estimate_gib=None)
+    return dict(stack_limit_bytes=stack,
+                local_memory_estimate_gib=stack * threads_per_sm * sms / GIB)
+
+
 def memory_checkpoint(resident_mib: float | None = None, stop: bool = True) -> dict:
     """Torch's allocated and reserved memory and the memory outside torch's pool now (after
     releasing the allocator's unused blocks); with ``resident_mib`` also the resident blocks
@@ -108,6 +140,9 @@ def memory_checkpoint(resident_mib: float | None = None, stop: bool = True) -> d
     out = dict(allocated_gib=torch.cuda.memory_allocated() / GIB,
                reserved_gib=torch.cuda.memory_reserved() / GIB,
                outside_torch_gib=(total - free - torch.cuda.memory_reserved()) / GIB)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    out.update(local_memory_figures(stack_limit_bytes(), props.multi_processor_count,
+                                    getattr(props, "max_threads_per_multi_processor", None)))
     if resident_mib is not None:
         try:
             out["resident"] = resident_blocks(torch.cuda.memory._snapshot(), resident_mib)

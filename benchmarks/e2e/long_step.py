@@ -273,6 +273,8 @@ def memory_checkpoint_rows(name: str, mode: str, form: str, r: dict) -> list[dic
                          vllm_expected_gib=expected,
                          resident_over_gib=None if expected is None else held - expected,
                          resident=m.get("resident"),
+                         stack_limit_bytes=m.get("stack_limit_bytes"),
+                         local_memory_estimate_gib=m.get("local_memory_estimate_gib"),
                          init_used_gib=None if init is None else init / GIB,
                          what="torch allocated + memory outside torch's pool, against the "
                               "device's use at vLLM's first reading + total_consumed + KV "
