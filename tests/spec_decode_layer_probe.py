@@ -227,8 +227,8 @@ def hide_gpus_for_cpu_run(argv, environ) -> None:
     otherwise swap in its placeholder Triton where no driver loads), unless the caller set
     the variable. A ``--device cuda`` run leaves the GPUs visible: its caller
     (tests/test_spec_decode_layer.py) drops the variable for it, and hiding them here made
-    every gpu case fail with "No CUDA GPUs are available" on the H200 at baa82d6
-    (benchmarks/results/h200-2026-12-03-gpu-tests-baa82d6.json)."""
+    every gpu case fail with "No CUDA GPUs are available" on the H200 at baa82d6 (the
+    provenance note of benchmarks/results/h200-2026-12-03-gpu-tests-f895c39.json)."""
     device = "cpu"
     for i, arg in enumerate(argv):
         if arg == "--device" and i + 1 < len(argv):
