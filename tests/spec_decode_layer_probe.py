@@ -229,13 +229,9 @@ def hide_gpus_for_cpu_run(argv, environ) -> None:
     (tests/test_spec_decode_layer.py) drops the variable for it, and hiding them here made
     every gpu case fail with "No CUDA GPUs are available" on the H200 at baa82d6 (the
     provenance note of benchmarks/results/h200-2026-12-03-gpu-tests-f895c39.json)."""
-    device = "cpu"
-    for i, arg in enumerate(argv):
-        if arg == "--device" and i + 1 < len(argv):
-            device = argv[i + 1]
-        elif arg.startswith("--device="):
-            device = arg.split("=", 1)[1]
-    if device == "cpu":
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--device", default="cpu")  # main()'s flag and default
+    if ap.parse_known_args(argv)[0].device == "cpu":
         environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 
