@@ -85,6 +85,9 @@ def test_fetch_from_tree_then_dirty_target_refused(tmp_path, mini_tree):
     dest = tmp_path / "dest"
     upstream.fetch(None, mini_tree, dest, force=False)
     assert upstream.is_baseline_repo(dest)
+    # no detached auto-gc may pack objects while `make patched` copies the tree
+    assert upstream.git(dest, "config", "gc.auto").stdout.strip() == "0"
+    assert upstream.git(dest, "config", "maintenance.auto").stdout.strip() == "false"
     upstream.fetch(None, mini_tree, dest, force=False)  # clean baseline: kept
     f = dest / "vllm/_version.py"
     f.write_text(f.read_text() + "# local edit\n")
