@@ -227,8 +227,8 @@ def extract_tree(src_tar: Path | None, src_tree: Path | None, dest: Path) -> Non
         if src_tar is None:  # a tarball was checked by its sha256 already
             identify_tree(root, pinned_files(), "--tree")
         git(root, "init", "-q")
-        # No automatic gc or maintenance in this repository: a commit here (ours, or
-        # `git apply`'s callers') may start a detached `git gc --auto` that packs the loose
+        # No automatic gc or maintenance in this repository: the baseline commit below (or a
+        # later one in a copy of it) may start a detached `git gc --auto` that packs the loose
         # objects while `make patched` copies the tree with cp -r, and the copy fails on the
         # objects that vanished under it ("cp: cannot stat .git/objects/..": seen in a make
         # verify whose kit build loaded the same 2 cores).
