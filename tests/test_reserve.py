@@ -18,6 +18,7 @@ What is checked, per buffer:
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from types import SimpleNamespace
 
@@ -343,6 +344,22 @@ def test_combined_lists_refuse_a_second_live_owner_and_rebuilds():
     reserve.reserve_combined_lists("own", 640, 8, "cpu")
     own = reserve.combined_lists_out(fc, None, True, 640, 2, 6, 512, "cpu")
     assert own[0].shape == (4, 512) and own[1].shape == (4,)
+
+
+def test_second_owner_warning_is_logged_once_across_forwards(caplog):
+    """Each forward's owners carry that step's metadata ids: the warning must not repeat per
+    step (at 3099bbc the v4-long engine logged it 208 times)."""
+    reserve.reserve_combined_lists("shared", 640, 8, "cpu")
+    md = SimpleNamespace()
+    with caplog.at_level(logging.WARNING, logger="vllm.deepinfer"):
+        for step in range(3):
+            fc = SimpleNamespace()
+            a = yoco.combine_key(("c128a", 10 * step + 1), 128, 128, 512, md, (0, 1, 4, 8))
+            b = yoco.combine_key(("c128a", 10 * step + 2), 128, 128, 512, md, (0, 1, 4, 8))
+            assert reserve.combined_lists_out(fc, a, True, 640, 0, 4, 640, "cpu") is not None
+            assert reserve.combined_lists_out(fc, b, True, 640, 4, 8, 640, "cpu") is None
+    said = [r for r in caplog.records if "two live lists" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
 
 
 def test_combiner_writes_into_the_reserved_rows():

@@ -59,3 +59,18 @@ def test_outputs_with_reuse_equal_outputs_without(res):
 
 def test_groups_of_one_forward_still_share_combined_lists(res):
     assert res["main_combine_keys_equal"]
+
+
+def test_groups_built_without_replay_starts_share_one_no_replay_buffer(res):
+    # V4 passes no replay starts (nor do V4.1's graph captures): each upstream builder's own
+    # zeros made two SWA groups' combine keys differ, and v4-long's second C128A layer was
+    # refused the reserved slab on every prefill chunk (the H200 run at 3099bbc logged it
+    # 208 times). One shared zeros tensor: one key, both claims granted, no warning.
+    assert res["v4_builder"] == "DeepinferAmpereV4SparseSWAMetadataBuilder"
+    assert res["v4_index_source"] == "'c128a'"
+    assert res["v4_no_replay_zeros"] and res["v41_no_replay_zeros"]
+    assert res["v4_no_replay_shared"] and res["v41_no_replay_shared"]
+    assert res["v4_combine_keys_equal"]
+    assert res["v41_no_replay_combine_keys_equal"]
+    assert res["v4_claims"] == [True, True]
+    assert not res["v4_second_owner_warned"]

@@ -42,6 +42,8 @@ Q = WINDOW          # the kept rows of a trimmed prefill request
 
 def _hf_config(model: str, real: bool, base=None):
     cfg = base(model, real)
+    if model != "deepseek_v41":
+        return cfg
     cfg.num_hidden_layers, cfg.compress_ratios = 4, [0, 2, 1, 1]
     cfg.kv_source_layer_ids, cfg.index_source_layer_ids = [1, 2], [1, 2]
     cfg.candidate_source_layer_id, cfg.candidate_topk_blocks = -1, 0
@@ -117,7 +119,18 @@ def main() -> dict:
     md_g1 = b_g1.build(0, cm, replay_start=shared[:1])
     md_g2 = b_g2.build(0, cm, replay_start=shared[:1])
     chunk = (0, 1, 7, 9)
+    # Batches built without replay starts (all of V4's, V4.1's graph captures): two groups'
+    # builders, each with its upstream no_replay_start, over one batch.
+    md_n1 = b_g1.build(0, cm)
+    md_n2 = b_g2.build(0, cm)
+    v4 = _v4_groups(sdc, g)
     return {
+        **v4,
+        "v41_no_replay_shared": b_g1.no_replay_start.data_ptr() == b_g2.no_replay_start.data_ptr(),
+        "v41_no_replay_combine_keys_equal":
+            yoco.combine_key(2, 1, WINDOW, 64, md_n1, chunk)
+            == yoco.combine_key(2, 1, WINDOW, 64, md_n2, chunk),
+        "v41_no_replay_zeros": bool((md_n1.replay_start == 0).all()),
         "gather_lens_first": md_first.prefill_gather_lens.tolist(),
         "gather_lens_later": md_later.prefill_gather_lens.tolist(),
         "batch_tag_equal": yoco.batch_tag(md_first) == yoco.batch_tag(md_later),
@@ -132,6 +145,45 @@ def main() -> dict:
         "max_abs_diff": {str(i): float((on[i].float() - off[i].float()).abs().max())
                          for i in on},
         "hits_on": hits_on,
+    }
+
+
+def _v4_groups(sdc, g) -> dict:
+    """V4 (its model state passes no replay starts): the C128A layer's combine key under the
+    metadata of two SWA cache groups' builders over one prefill batch, as v4-long's C128A
+    layers 2 and 4 (in two groups) key their lists; and whether the reservation's slab
+    accepts the second (``reserve._claim``: one owner per slab and forward)."""
+    import torch
+    from vllm.deepinfer import reserve, yoco
+    from vllm.forward_context import ForwardContext
+    m = sdc.Model("deepseek_v4", 0, None, False, "cpu", [2], g)
+    layer = m.layers[2]
+    seq = CONTEXT + Q
+    reqs = [(seq, Q)]
+    c = sdc.Caches(m, 1, seq + 8)
+    cm = sdc.common_md(reqs, c.swa_bt[[0]], c.swa_bs, "cpu")
+    b1, _ = m.builder(layer.swa_cache_layer, "v4-group1")
+    b2, _ = m.builder(layer.swa_cache_layer, "v4-group2")
+    md1, md2 = b1.build(0, cm), b2.build(0, cm)
+    comp = object()  # the one compressed metadata object both layers read (keyed by id)
+    src = layer._yoco_index_source(comp, False)
+    chunk = (0, 1, 7, 9)
+    k1 = yoco.combine_key(src, 128, WINDOW, 128, md1, chunk)
+    k2 = yoco.combine_key(src, 128, WINDOW, 128, md2, chunk)
+    ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+    reserve._WARNED.clear()
+    # Two chunks of rows of one slab: the second claimant is another owner unless the keys
+    # agree (with equal keys the real forward would not even ask: yoco.reuse hits).
+    claims = [reserve._claim(ctx, "slot", reserve._owner(k), lo, lo + Q)
+              for k, lo in ((k1, 0), (k2, Q))]
+    return {
+        "v4_builder": type(b1).__name__,
+        "v4_index_source": repr(src[0]),
+        "v4_no_replay_shared": b1.no_replay_start.data_ptr() == b2.no_replay_start.data_ptr(),
+        "v4_combine_keys_equal": k1 == k2,
+        "v4_claims": claims,
+        "v4_second_owner_warned": any("two live lists" in w for w in reserve._WARNED),
+        "v4_no_replay_zeros": bool((md1.replay_start == 0).all()),
     }
 
 

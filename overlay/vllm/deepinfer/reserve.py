@@ -373,9 +373,13 @@ def _int_tag(owner: tuple) -> int | None:
     return tag if isinstance(tag, int) and not isinstance(tag, bool) else None
 
 
-def _warn_once(reason: str) -> None:
-    if reason not in _WARNED:
-        _WARNED.add(reason)
+def _warn_once(reason: str, key: Hashable | None = None) -> None:
+    """Log ``reason`` the first time ``key`` (default: the reason) is met. The owners a
+    reason names carry per-step object ids, so a reason alone would log every step: the
+    v4-long engine at 3099bbc logged one such line 208 times in one run."""
+    key = reason if key is None else key
+    if key not in _WARNED:
+        _WARNED.add(key)
         logger.warning("deepinfer: combined lists allocated outside their reservation: %s",
                        reason)
 
@@ -396,7 +400,8 @@ def _claim(forward_context: Any, slot: Hashable, owner: tuple, qs: int, qe: int)
     if held is not None and held[0] != owner:
         old, new = _int_tag(held[0]), _int_tag(owner)
         if old is None or new is None or new <= old:
-            _warn_once(f"two live lists of one kind ({held[0][:5]} and {owner[:5]})")
+            _warn_once(f"two live lists of one kind ({held[0][:5]} and {owner[:5]})",
+                       key=("second owner", slot))
             return False
         held = None
     if held is None:

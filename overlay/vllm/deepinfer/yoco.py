@@ -85,7 +85,8 @@ __all__ = ["FEATURE", "StepCache", "GatherBuffer", "enabled", "step_cache", "reu
            "reset_totals", "parallel_reason", "gather_buffer", "reserve_gather_buffer",
            "GATHER_BUFFER_MAX_BYTES", "INDEXER_K_MAX_ROWS", "NO_REUSE",
            "indexer_k_rows", "reserve_indexer_k", "prefill_kv", "chunk_order",
-           "VERIFY_VARIABLE", "verify_enabled", "same_product", "verify_gather"]
+           "VERIFY_VARIABLE", "verify_enabled", "same_product", "verify_gather",
+           "shared_no_replay_start"]
 
 FEATURE = "yoco_reuse"
 # The attribute of vLLM's ForwardContext that holds the forward's StepCache.
@@ -345,7 +346,8 @@ def combine_key(index_source: Any, ratio: int, window: int, topk: int, swa_metad
     the batch's replay starts and the later replay layers' each trimmed request's kept start,
     over one kept batch (one ``batch_tag``). So the key names the replay starts' storage: the
     groups of one forward get views of one buffer and still share; a builder given none uses
-    a zeros buffer of its own, and its lists are then shared within its cache group only."""
+    its ``no_replay_start``, which the Ampere builders take from shared_no_replay_start (one
+    storage for every group), so those groups share too."""
     if index_source is NO_REUSE or extra is NO_REUSE:
         return None
     return (COMBINE, _tag(index_source), int(ratio), int(window), int(topk),
@@ -414,6 +416,30 @@ def _device(device) -> torch.device:
     if d.type == "cpu":
         return torch.device("cpu")
     return d
+
+
+# ----------------------------------------------------------------------------- no-replay starts
+_NO_REPLAY: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
+
+
+def shared_no_replay_start(own: torch.Tensor) -> torch.Tensor:
+    """One zeros tensor per (device, dtype, length) for every SWA metadata builder's
+    ``no_replay_start``.
+
+    Upstream's builder allocates its own zeros (the replay start of a batch that replays
+    nothing) and hands it to every batch it builds without ``replay_start``: all of V4's
+    batches, and V4.1's graph captures. combine_key names the replay starts by their
+    storage, so the layers of two SWA cache groups then got different keys over one batch:
+    V4's C128A layers (v4-long's layers 2 and 4) each built their own combined lists, and
+    the second layer's lists, refused the slab the profile run reserved (reserve._claim's
+    second live owner), were allocated outside it on every prefill chunk (the H200 run at
+    3099bbc, graphs and eager alike by this reading). Upstream only reads the tensor (it is
+    never written), so sharing one is the same bytes under one storage."""
+    key = (str(_device(own.device)), own.dtype, int(own.numel()))
+    t = _NO_REPLAY.get(key)
+    if t is None:
+        t = _NO_REPLAY[key] = torch.zeros_like(own)
+    return t
 
 
 _GATHER_BUFFERS: dict[str, GatherBuffer] = {}

@@ -12,6 +12,7 @@ from vllm.deepinfer.attention.common import (
     AmpereAttentionMixin,
     DeepinferAmpereSparseAttnIndexer,
     NoTileSchedulerMixin,
+    SharedNoReplayStartMixin,
 )
 from vllm.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4Indexer
 from vllm.models.deepseek_v4.sparse_mla import (
@@ -28,8 +29,10 @@ BACKEND_NAME = "DEEPINFER_AMPERE_SPARSE_DSV4"
 
 
 class DeepinferAmpereV4SparseSWAMetadataBuilder(NoTileSchedulerMixin,
+                                                SharedNoReplayStartMixin,
                                                 DeepseekSparseSWAMetadataBuilder):
-    """V4 SWA metadata without FlashMLA tile plans (``get_mla_metadata`` never runs)."""
+    """V4 SWA metadata without FlashMLA tile plans (``get_mla_metadata`` never runs), with
+    one no-replay-start tensor for every SWA cache group (SharedNoReplayStartMixin)."""
 
 
 class DeepinferAmpereV4SparseSWABackend(DeepseekSparseSWABackend):

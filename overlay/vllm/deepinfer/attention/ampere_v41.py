@@ -16,6 +16,7 @@ from vllm.deepinfer.attention.common import (
     DeepinferAmpereSparseAttnIndexer,
     NoSparseMQAIndexer,
     NoTileSchedulerMixin,
+    SharedNoReplayStartMixin,
     not_implemented,
 )
 from vllm.forward_context import get_forward_context
@@ -40,8 +41,10 @@ KV_PAGE_TOKENS = shapes.KV_PAGE64
 
 
 class DeepinferAmpereV41SparseSWAMetadataBuilder(NoTileSchedulerMixin,
+                                                 SharedNoReplayStartMixin,
                                                  DeepseekV41SparseSWAMetadataBuilder):
-    """V4.1 SWA metadata without FlashMLA tile plans (``get_mla_metadata`` never runs)."""
+    """V4.1 SWA metadata without FlashMLA tile plans (``get_mla_metadata`` never runs), with
+    one no-replay-start tensor for every SWA cache group (SharedNoReplayStartMixin)."""
 
 
 class DeepinferAmpereV41SparseSWABackend(DeepseekSparseSWABackend):

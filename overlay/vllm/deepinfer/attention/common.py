@@ -68,6 +68,19 @@ class NoTileSchedulerMixin:
         return super().build_tile_scheduler(0)  # type: ignore[misc]
 
 
+class SharedNoReplayStartMixin:
+    """SWA metadata builder mixin: every builder's ``no_replay_start`` (upstream's zeros for
+    a batch built without replay starts) is one tensor (``yoco.shared_no_replay_start``), so
+    cross-layer reuse keys of layers in different SWA cache groups agree over one batch and
+    their combined lists come from the reserved slab (vllm.deepinfer.reserve)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        own = getattr(self, "no_replay_start", None)
+        if isinstance(own, torch.Tensor):
+            self.no_replay_start = yoco.shared_no_replay_start(own)
+
+
 # --------------------------------------------------------------------------- indexer op
 class DeepinferAmpereSparseAttnIndexer(SparseAttnIndexer):
     """The indexer's scoring op without DeepGEMM.
