@@ -39,7 +39,10 @@ LONG_QUICK_DECODE = 32              # --quick
 # Seconds a long engine may spend before its timed requests (load, profile run, KV
 # allocation, CUDA-graph capture, the warm-up): v41-tput's graph engines started in 149-342 s
 # (results e2e-4ab26c8, e2e-5f462a5, e2e-tput-5ddee71), the mini models' engines with vLLM's
-# JIT warmup in 11-116 s; about twice the slowest of each.
+# JIT warmup in 11-116 s; about twice the slowest of each. The long configs' graph engines
+# themselves started in 231-343 s (load_seconds of the v41-long a100 / upstream and v4-long a100
+# engines behind benchmarks/results/h200-2026-12-03-e2e-long-3099bbc.json, empty or part-warm
+# compile caches), inside this limit.
 LONG_START_S = {"eager": 300, "graphs": 720}
 
 
